@@ -1,0 +1,115 @@
+"""Process groups: gloo on CPU, nccl on GPU; Megatron's model-parallel groups on top."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.schema import ParallelConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def init_distributed(backend: str = "auto", rank: int | None = None,
+                     world_size: int | None = None, init_method: str | None = None,
+                     timeout_minutes: int = 30) -> None:
+    """Join (or create) the default process group; torchrun's env vars are honoured.
+
+    With no env and no arguments this is a 1-process group on 127.0.0.1.
+    """
+    if dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if init_method is None:
+        if "MASTER_ADDR" in os.environ:
+            init_method = "env://"
+        elif world_size == 1:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+        else:
+            raise RuntimeError("init_distributed: world_size > 1 needs MASTER_ADDR/MASTER_PORT "
+                               "(torchrun sets them) or an explicit init_method")
+    backend = resolve_backend(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits in the parallel grid."""
+
+    world_size: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    dp_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_first_stage()
+
+    @property
+    def is_last_stage(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage()
+
+
+def init_model_parallel(parallel: ParallelConfig, seed: int) -> Layout:
+    """(Re)build Megatron's TP/PP/EP/CP/DP groups over the default group and seed every RNG."""
+    from megatron_rl.models import cpu_compat
+
+    cpu_compat.apply()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    world = dist.get_world_size()
+    mp = parallel.model_parallel_size
+    if world % mp:
+        raise ValueError(f"world size {world} is not divisible by parallel.tp*pp*cp={mp}")
+    dp = world // mp
+    if (dp * parallel.tp * parallel.cp) % (parallel.ep * parallel.etp):
+        raise ValueError(f"parallel.ep*etp={parallel.ep * parallel.etp} must divide "
+                         f"dp*tp*cp={dp * parallel.tp * parallel.cp} (world {world})")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return Layout(world_size=world, dp=dp,
+                  tp_rank=ps.get_tensor_model_parallel_rank(),
+                  pp_rank=ps.get_pipeline_model_parallel_rank(),
+                  ep_rank=ps.get_expert_model_parallel_rank(),
+                  dp_rank=ps.get_data_parallel_rank())
+
+
+def destroy_model_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()

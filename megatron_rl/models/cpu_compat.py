@@ -1,0 +1,252 @@
+"""The ONE place where megatron-core is made to run on a CPU (gloo, no CUDA).
+
+megatron-core 0.19.2 assumes CUDA in a few dozen call sites. Each shim below fixes one failure
+that was seen on a CPU-only torch build; `probe()` reproduces that failure so a test can tell
+when upstream no longer needs the shim. Shims are applied only when CUDA is absent and change
+global torch behaviour, so only processes that will never touch a GPU ever call `apply()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+APPLIED: list[str] = []
+
+
+@dataclass(frozen=True)
+class Shim:
+    name: str
+    why: str
+    apply: Callable[[], None]
+    probe: Callable[[], bool]  # True when the unpatched library still fails
+
+
+def _raises(fn: Callable[[], object]) -> bool:
+    try:
+        fn()
+    except (AssertionError, RuntimeError, TypeError, ValueError):
+        return True
+    return False
+
+
+# -- rng: megatron's RNG tracker stores torch.cuda RNG states -------------------------------------
+def _apply_rng() -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+
+    class CPURNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_ or name in self.states_:
+                raise ValueError(f"RNG state {name!r} / seed {seed} already added")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+# -- curdev: ~200 call sites place tensors on torch.cuda.current_device() -------------------------
+def _apply_curdev() -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+# -- devcuda: ~90 hard-coded device="cuda" / .cuda() call sites ----------------------------------
+def _is_cuda(d: object) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    return isinstance(d, int) and not isinstance(d, bool)  # a bare ordinal means a CUDA device
+
+
+def _apply_devcuda() -> None:
+    def wrap(fn):
+        @functools.wraps(fn)
+        def w(*a, **k):
+            if _is_cuda(k.get("device")):
+                k["device"] = "cpu"
+            return fn(*a, **k)
+        return w
+
+    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint",
+                 "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "eye",
+                 "linspace", "randperm", "triu_indices"):
+        setattr(torch, name, wrap(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    orig_to = torch.Tensor.to
+
+    def to(self, *a, **k):
+        if a and _is_cuda(a[0]) and not isinstance(a[0], torch.dtype):
+            a = ("cpu",) + tuple(a[1:])
+        if _is_cuda(k.get("device")):
+            k["device"] = "cpu"
+        return orig_to(self, *a, **k)
+
+    torch.Tensor.to = to
+
+
+# -- stream: alltoall dispatcher and DDP create CUDA streams/events --------------------------------
+class _NoEvent:
+    def __init__(self, *a, **k): ...
+    def record(self, *a, **k): ...
+    def synchronize(self): ...
+    def wait(self, *a, **k): ...
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+class _NoStream:
+    def __init__(self, *a, **k): ...
+    def wait_stream(self, *a, **k): ...
+    def wait_event(self, *a, **k): ...
+    def synchronize(self): ...
+    def record_event(self, *a, **k) -> _NoEvent:
+        return _NoEvent()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _NoStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def _apply_stream() -> None:
+    default = _NoStream()
+    torch.cuda.Stream, torch.cuda.Event = _NoStream, _NoEvent
+    torch.cuda.current_stream = lambda *a, **k: default
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+# -- typestr: the optimizer classifies params by param.type() == "torch.cuda.FloatTensor" --------
+def _apply_typestr() -> None:
+    orig_type = torch.Tensor.type
+
+    def type_(self, *a, **k):
+        if not a and not k:
+            t = orig_type(self)
+            if t in ("torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Tensor"):
+                return t.replace("torch.", "torch.cuda.")
+            return t
+        return orig_type(self, *a, **k)
+
+    torch.Tensor.type = type_
+
+
+# -- sync: dist_checkpointing's writer calls torch.cuda.synchronize() ----------------------------
+def _apply_sync() -> None:
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+# -- spnorm: MoE+TP demands sequence parallel, but the only non-TE norm refuses it ---------------
+def _apply_spnorm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+            zero_centered_gamma=False, normalization="LayerNorm"):
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[
+            config.normalization]
+        module = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in module.parameters():  # as TENorm does: grads are all-reduced over TP
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return module
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def _probe_spnorm() -> bool:
+    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                            sequence_parallel=True, tensor_model_parallel_size=2,
+                            normalization="RMSNorm")
+    return _raises(lambda: torch_norm.WrappedTorchNorm(cfg, 8))
+
+
+# -- a2asplits: alltoall split sizes become numpy only for CUDA tensors -------------------------
+def _apply_a2asplits() -> None:
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    orig = td.maybe_move_tensor_to_cpu
+
+    def move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    td.maybe_move_tensor_to_cpu = move
+
+
+def _probe_a2asplits() -> bool:
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    return torch.is_tensor(td.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True))
+
+
+SHIMS: tuple[Shim, ...] = (
+    Shim("rng", "RNG tracker keeps torch.cuda states", _apply_rng,
+         lambda: _raises(torch.cuda.get_rng_state)),
+    Shim("curdev", "tensors placed on torch.cuda.current_device()", _apply_curdev,
+         lambda: _raises(torch.cuda.current_device)),
+    Shim("devcuda", "hard-coded device='cuda' / .cuda()", _apply_devcuda,
+         lambda: _raises(lambda: torch.ones(1, device="cuda"))),
+    Shim("stream", "CUDA streams/events in dispatcher and DDP", _apply_stream,
+         lambda: _raises(torch.cuda.Stream)),
+    Shim("typestr", "optimizer accepts only torch.cuda.*Tensor params", _apply_typestr,
+         lambda: torch.zeros(1).type() != "torch.cuda.FloatTensor"),
+    Shim("sync", "checkpoint writer calls torch.cuda.synchronize()", _apply_sync,
+         lambda: _raises(torch.cuda.synchronize)),
+    Shim("spnorm", "torch norms refuse sequence_parallel, which MoE+TP requires", _apply_spnorm,
+         _probe_spnorm),
+    Shim("a2asplits", "alltoall split sizes reach gloo as tensors", _apply_a2asplits,
+         _probe_a2asplits),
+)
+
+
+def install_triton_placeholder() -> None:
+    """megatron imports a triton kernel module at import time; only CUDA graphs use it."""
+    if importlib.util.find_spec("triton") is not None:
+        return
+    mod = types.ModuleType("megatron.core.transformer.moe.ops.paged_stash")
+    mod.GLOBAL_BLOCK_SIZE = 1024
+    mod.paged_stash_copy_kernel = mod.paged_stash_pop_kernel = None
+    sys.modules[mod.__name__] = mod
+
+
+def needs_shims() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply() -> list[str]:
+    """Apply every shim once (idempotent); a no-op when CUDA is present."""
+    if not needs_shims() or APPLIED:
+        return APPLIED
+    install_triton_placeholder()
+    for shim in SHIMS:
+        shim.apply()
+        APPLIED.append(shim.name)
+    return APPLIED

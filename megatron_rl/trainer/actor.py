@@ -1,0 +1,184 @@
+"""The Megatron actor: one rank's share of the policy, its optimizer and its train step."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.schema import Config
+from megatron_rl.distributed.process_groups import Layout, init_model_parallel
+from megatron_rl.models.builder import DTYPES, build_gpt_model, logprob_output_processor
+from megatron_rl.models.registry import ModelSpec, get_model_spec
+from megatron_rl.trainer.batch import TokenBatch
+from megatron_rl.trainer.losses import LossFn
+
+
+class MegatronActor:
+    """Builds model + DDP + optimizer + LR schedule for this rank and runs steps on them.
+
+    Every rank of the job constructs one and calls the same methods with the same global batch;
+    each rank keeps only its data-parallel shard.
+    """
+
+    def __init__(self, cfg: Config, spec: ModelSpec | None = None):
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.distributed.distributed_data_parallel_config import (
+            DistributedDataParallelConfig,
+        )
+
+        self.cfg = cfg
+        self.spec = spec or get_model_spec(cfg.model.name)
+        self.layout: Layout = init_model_parallel(cfg.parallel, cfg.train.seed)
+        if self.spec.is_moe and self.spec.num_experts % cfg.parallel.ep:
+            raise ValueError(f"parallel.ep={cfg.parallel.ep} does not divide the "
+                             f"{self.spec.num_experts} experts of {self.spec.name}")
+        module = build_gpt_model(self.spec, cfg.model, cfg.parallel)
+        self.config = module.config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+            check_for_nan_in_grad=True)
+        self.model = [DistributedDataParallel(self.config, ddp_config, module)]
+        self.optimizer = self._build_optimizer()
+        self.scheduler = self._build_scheduler()
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.no_sync_func = self.model[0].no_sync
+        self.step = 0
+
+    # -- construction ------------------------------------------------------------------------
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o, dtype = self.cfg.optim, DTYPES[self.cfg.model.dtype]
+        config = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            use_distributed_optimizer=self.cfg.parallel.distributed_optimizer)
+        return get_megatron_optimizer(config, self.model)
+
+    def _build_scheduler(self):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o, steps = self.cfg.optim, self.cfg.train.steps
+        decay_steps = max(steps, o.warmup_steps + 1)
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr,
+            min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay_steps,
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=decay_steps, wd_incr_style="constant")
+
+    # -- steps -------------------------------------------------------------------------------
+    def train_step(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on a global batch (every rank passes the same batch)."""
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        metrics = self._forward_backward(batch, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        self.step += 1
+        metrics.update(grad_norm=float(grad_norm or 0.0), lr=self.optimizer.param_groups[0]["lr"],
+                       skipped=float(not ok), step=float(self.step))
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
+        for chunk in self.model:
+            chunk.eval()
+        return self._forward_backward(batch, loss_fn, forward_only=True)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TokenBatch, temperature: float = 1.0
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy of `batch.labels` for the whole batch, on every rank."""
+        for chunk in self.model:
+            chunk.eval()
+        local = batch.shard(self.layout.dp_rank, self.layout.dp)
+        outputs = self._schedule(local, lambda mb, out, non_loss_data=False: out,
+                                 forward_only=True, collect=True, temperature=temperature)
+        from megatron.core import parallel_state as ps
+
+        shard = torch.cat(outputs) if outputs else torch.empty(local.rows, local.seq_length, 2)
+        shard = self._from_last_stage(shard)
+        gathered = [torch.empty_like(shard) for _ in range(self.layout.dp)]
+        dist.all_gather(gathered, shard.contiguous(), group=ps.get_data_parallel_group())
+        full = torch.cat(gathered)
+        return full[..., 0], full[..., 1]
+
+    # -- internals ---------------------------------------------------------------------------
+    def _forward_backward(self, batch: TokenBatch, loss_fn: LossFn, forward_only: bool
+                          ) -> dict[str, float]:
+        local = batch.shard(self.layout.dp_rank, self.layout.dp)
+
+        def loss_func(mb: TokenBatch, out: torch.Tensor):
+            res = loss_fn(out[..., 0], out[..., 1], mb)
+            tokens = res.num_tokens.to(torch.int)
+            reported = {k: v.detach().float() for k, v in res.metrics.items()}
+            reported["loss"] = res.loss_sum.detach().float()
+            reported["num_tokens"] = tokens.float()
+            return res.loss_sum, tokens, reported
+
+        per_mb = self._schedule(local, loss_func, forward_only=forward_only, collect=False)
+        return self._reduce_metrics(per_mb)
+
+    def _schedule(self, local: TokenBatch, loss_func, *, forward_only: bool, collect: bool,
+                  temperature: float = 1.0) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micro = local.micro_batches(min(self.cfg.train.micro_batch_size, local.rows))
+        processor = logprob_output_processor(self.spec.vocab_size, temperature,
+                                             self.cfg.train.logprob_chunk_tokens)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb.input_ids, mb.position_ids, None, labels=mb.labels,
+                        output_processor=processor)
+            return out, partial(loss_func, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=self.model,
+            num_microbatches=len(micro), seq_length=local.seq_length,
+            micro_batch_size=micro[0].rows, forward_only=forward_only,
+            collect_non_loss_data=collect)
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """Share a value that only the last pipeline stage computed with all stages."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return obj
+        box = [obj]
+        src = ps.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    def _reduce_metrics(self, per_mb: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Token-weighted means over the whole global batch (all DP ranks, all micro-batches)."""
+        from megatron.core import parallel_state as ps
+
+        sums: dict[str, torch.Tensor] = {}
+        for d in per_mb or []:
+            for k, v in d.items():
+                sums[k] = sums.get(k, 0) + v
+        if sums:
+            keys = sorted(sums)
+            flat = torch.stack([sums[k].reshape(()) for k in keys]).double()
+            dist.all_reduce(flat, group=ps.get_data_parallel_group())
+            sums = dict(zip(keys, flat.tolist(), strict=True))
+        sums = self._from_last_stage(sums)
+        tokens = max(sums.pop("num_tokens", 0.0), 1.0)
+        out = {k: v / tokens for k, v in sums.items()}
+        out["num_tokens"] = tokens
+        return out
+
+    # -- state -------------------------------------------------------------------------------
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by Megatron name (no DDP prefix)."""
+        return {name: p for name, p in self.model[0].module.named_parameters()}

@@ -1,0 +1,71 @@
+"""The trainer's input: right-padded token rows with a per-target loss mask."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass
+class TokenBatch:
+    """`input_ids[i, t]` predicts `labels[i, t]`; `loss_mask` selects the trained targets.
+
+    Extra per-token tensors (advantages, rollout log-probs, ...) ride along in `extras`, all
+    shaped [rows, seq], so losses read them without the trainer knowing what they are.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        shape = self.input_ids.shape
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"TokenBatch.input_ids must be [rows, seq], got {tuple(shape)}")
+        for name in ("labels", "loss_mask", "position_ids"):
+            t = getattr(self, name)
+            if t is not None and t.shape != shape:
+                raise ValueError(f"TokenBatch.{name} has shape {tuple(t.shape)}, "
+                                 f"input_ids has {tuple(shape)}")
+        for name, t in self.extras.items():
+            if t.shape[:2] != shape:
+                raise ValueError(f"TokenBatch.extras[{name!r}] has shape {tuple(t.shape)}, "
+                                 f"expected leading {tuple(shape)}")
+        if self.position_ids is None:
+            self.position_ids = torch.arange(shape[1]).expand(shape).contiguous()
+        self.loss_mask = self.loss_mask.float()
+
+    @classmethod
+    def from_sequences(cls, tokens: torch.Tensor, loss_mask: torch.Tensor | None = None,
+                       **extras: torch.Tensor) -> TokenBatch:
+        """Next-token batch from full sequences [rows, seq+1]; mask aligned to the targets."""
+        mask = torch.ones_like(tokens[:, 1:]) if loss_mask is None else loss_mask[:, 1:]
+        return cls(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask,
+                   extras={k: v[:, 1:].contiguous() for k, v in extras.items()})
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def select(self, rows: slice) -> TokenBatch:
+        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extras"}
+        kw = {k: v[rows] for k, v in kw.items()}
+        return TokenBatch(**kw, extras={k: v[rows] for k, v in self.extras.items()})
+
+    def shard(self, rank: int, world: int) -> TokenBatch:
+        if self.rows % world:
+            raise ValueError(f"batch of {self.rows} rows does not split over {world} DP ranks")
+        n = self.rows // world
+        return self.select(slice(rank * n, (rank + 1) * n))
+
+    def micro_batches(self, size: int) -> list[TokenBatch]:
+        if self.rows % size:
+            raise ValueError(f"{self.rows} rows do not split into micro-batches of {size}")
+        return [self.select(slice(i, i + size)) for i in range(0, self.rows, size)]

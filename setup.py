@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="RL post-training of MoE LLMs as deep-search agents on megatron-core",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    python_requires=">=3.12",
+    install_requires=[
+        "torch==2.14.1",
+        "megatron-core==0.19.2",
+        "transformers==5.19.0",
+        "tokenizers==0.23.2",
+        "ray[default]==2.60.*",
+        "pyarrow",
+        "openai",
+        "safetensors",
+        "pyyaml",
+        "numpy",
+        # undeclared by megatron-core 0.19.2 but imported by it
+        "psutil",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],
+        "sglang": ["sglang==0.5.23", "sglang-router"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
