@@ -72,6 +72,7 @@ class TrainConfig:
     log_every: int = bounded(1, ge=1)
     logprob_chunk_tokens: int = bounded(4096, ge=1,
                                         help="tokens per chunk when computing log-probs")
+    output_dir: str = bounded("runs/default", help="metrics.jsonl and plots go here")
 
 
 @dataclass

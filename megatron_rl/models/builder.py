@@ -60,7 +60,9 @@ def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, parallel: Parall
         expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.etp,
         context_parallel_size=parallel.cp, sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=not on_gpu, variable_seq_lengths=True,
+        use_cpu_initialization=not on_gpu,
+        # micro-batches of different lengths must cross pipeline stages
+        variable_seq_lengths=parallel.pp > 1,
         # token-level loss over the whole global batch, whatever the layout
         calculate_per_token_loss=True,
         # fused kernels exist only on GPU

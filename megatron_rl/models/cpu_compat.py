@@ -207,6 +207,27 @@ def _probe_a2asplits() -> bool:
     return torch.is_tensor(td.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True))
 
 
+# -- adamstep: without Apex/TE the inner optimizer is torch Adam, whose per-param "step" tensor
+# the fully_reshardable loader never provides (it sets the step from param_groups instead)
+def _apply_adamstep() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
+
+    orig = DO._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        return orig(self, model_param, {"step": None, **tensors})  # None = leave as loaded
+
+    DO._set_main_param_and_optimizer_states = set_states
+
+
+def _probe_adamstep() -> bool:
+    import inspect
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
+
+    return '"step"' not in inspect.getsource(DO._set_main_param_and_optimizer_states)
+
+
 SHIMS: tuple[Shim, ...] = (
     Shim("rng", "RNG tracker keeps torch.cuda states", _apply_rng,
          lambda: _raises(torch.cuda.get_rng_state)),
@@ -224,6 +245,8 @@ SHIMS: tuple[Shim, ...] = (
          _probe_spnorm),
     Shim("a2asplits", "alltoall split sizes reach gloo as tensors", _apply_a2asplits,
          _probe_a2asplits),
+    Shim("adamstep", "distributed-optimizer load expects a 'step' tensor torch Adam keeps",
+         _apply_adamstep, _probe_adamstep),
 )
 
 

@@ -48,6 +48,7 @@ class MegatronActor:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.no_sync_func = self.model[0].no_sync
         self.step = 0
+        self.optimizer_steps = 0  # successful updates: Adam's bias-correction step
 
     # -- construction ------------------------------------------------------------------------
     def _build_optimizer(self):
@@ -83,6 +84,7 @@ class MegatronActor:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
+            self.optimizer_steps += 1
         self.step += 1
         metrics.update(grad_norm=float(grad_norm or 0.0), lr=self.optimizer.param_groups[0]["lr"],
                        skipped=float(not ok), step=float(self.step))

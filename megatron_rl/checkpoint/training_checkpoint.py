@@ -1,0 +1,329 @@
+"""Training checkpoints: torch_dist (reshardable), atomic, verified on load.
+
+Layout of a run's checkpoint folder:
+    <dir>/step_000012/        megatron dist_checkpointing files + manifest.json
+    <dir>/latest              "step_000012"
+A save writes `<dir>/.tmp-step_000012/`, checksums every file into manifest.json, then renames
+the folder; a folder without a manifest is never loaded. Holds model, optimizer, LR schedule,
+per-rank RNG states, step and any caller progress (e.g. the data cursor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
+
+
+# -- integrity ---------------------------------------------------------------------------------
+def _crc32(path: Path, chunk: int = 1 << 22) -> str:
+    crc = 0
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def _split_work(files: list[str]) -> list[str]:
+    """Each rank checksums a disjoint slice of the files; results are all-gathered."""
+    if not dist.is_initialized():
+        return files
+    return files[dist.get_rank()::dist.get_world_size()]
+
+
+def _gather_dict(local: dict[str, Any]) -> dict[str, Any]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    parts: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.is_file() and p.name != MANIFEST)
+
+
+def _write_manifest(folder: Path, info: dict[str, Any]) -> None:
+    names = _files(folder)
+    local = {n: {"bytes": (folder / n).stat().st_size, "crc32": _crc32(folder / n)}
+             for n in _split_work(names)}
+    entries = _gather_dict(local)
+    if _rank() == 0:
+        manifest = {"format_version": FORMAT_VERSION, "files": entries, **info}
+        _atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def verify_checkpoint(folder: Path, mode: str = "crc32") -> dict[str, Any]:
+    """Check that every file of the manifest is present and intact; return the manifest."""
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder not found: {folder}")
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        hint = (" (it has megatron files, so the save was interrupted)"
+                if (folder / "metadata.json").exists() else " (not a checkpoint folder)")
+        raise CheckpointError(f"{folder}: no {MANIFEST}{hint}")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
+    problems: list[str] = []
+    for name, meta in files.items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+        elif path.stat().st_size != meta["bytes"]:
+            problems.append(f"{name}: {path.stat().st_size} bytes, expected {meta['bytes']} "
+                            "(truncated?)")
+    if mode == "crc32" and not problems:
+        local = {n: _crc32(folder / n) for n in _split_work(sorted(files))}
+        for name, crc in sorted(_gather_dict(local).items()):
+            if crc != files[name]["crc32"]:
+                problems.append(f"{name}: crc32 {crc}, expected {files[name]['crc32']} (corrupt)")
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(problems))
+    return manifest
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step folder, or a run folder whose `latest` names one."""
+    path = Path(path)
+    if (path / LATEST).is_file():
+        return path / (path / LATEST).read_text().strip()
+    return path
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    root = Path(root)
+    return root / (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _layout(actor) -> dict[str, int]:
+    p = actor.cfg.parallel
+    return {"world": actor.layout.world_size, "tp": p.tp, "pp": p.pp, "ep": p.ep,
+            "etp": p.etp, "cp": p.cp, "dp": actor.layout.dp,
+            "distributed_optimizer": int(p.distributed_optimizer)}
+
+
+OPTIMIZER_METADATA = {
+    # canonical per-parameter state: reshardable across TP/PP/EP/DP and with/without distopt
+    "distrib_optim_sharding_type": "fully_reshardable",
+    # sharded keys that do not depend on how megatron chains its sub-optimizers
+    "chained_optim_avoid_prefix": True,
+}
+
+
+def _split_sharded(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    return extract_matching_values(tree, lambda v: isinstance(v, ShardedBase))
+
+
+def _restore_step(tree: Any, step: int) -> None:
+    """Write Adam's step counter into a loaded optimizer state, wherever megatron expects it:
+    per parameter (next to its moments) and, for the CPU distributed optimizer, per group."""
+    if isinstance(tree, list):
+        for x in tree:
+            _restore_step(x, step)
+        return
+    if not isinstance(tree, dict):
+        return
+    if "exp_avg" in tree:
+        tree["step"] = torch.tensor(float(step))
+        return
+    for group in tree.get("param_groups", []):
+        if isinstance(group, dict) and "step" in group:
+            group["step"] = step
+    for v in tree.values():
+        _restore_step(v, step)
+
+
+def _optimizer_state(actor, model_sd: dict[str, Any], loading: bool
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(sharded part, layout-specific common part) of the optimizer state.
+
+    Megatron chains one sub-optimizer per distinct (dense, expert) DP group, so the *common*
+    part (step counter, param groups) is shaped by the layout. Only the sharded part (Adam
+    moments, main params) is saved; the common part comes from the live optimizer on load,
+    with the saved step counter written back in.
+    """
+    if loading and actor.cfg.parallel.distributed_optimizer:
+        # CPU builds (no Apex/TE) read the step from existing Adam state; create it first
+        for sub in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+            sub._init_optimizer_states_with_dummy_values()
+    osd = actor.optimizer.sharded_state_dict(model_sd, is_loading=loading,
+                                             metadata=OPTIMIZER_METADATA)
+    return _split_sharded(osd)
+
+
+def _sharded_state(actor, *, rng: bool) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state: dict[str, Any] = {"model": actor.model[0].module.sharded_state_dict()}
+    if rng:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        state["rng"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    return state
+
+
+# -- save / load -------------------------------------------------------------------------------
+def save_checkpoint(actor, root: str | Path, progress: dict[str, Any] | None = None,
+                    keep_last: int | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final step folder."""
+    from megatron.core import dist_checkpointing
+
+    t0 = time.time()
+    root = Path(root)
+    name = f"step_{actor.step:06d}"
+    final, tmp = root / name, root / f".tmp-{name}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    state = _sharded_state(actor, rng=True)
+    state["optimizer"], common = _optimizer_state(actor, state["model"], loading=False)
+    state["optimizer_step"] = actor.optimizer_steps
+    state["scheduler"] = actor.scheduler.state_dict()
+    state["progress"] = {"step": actor.step, **(progress or {})}
+    state["layout"] = _layout(actor)
+    dist_checkpointing.save(state, str(tmp))
+    _barrier()
+    _write_manifest(tmp, {"step": actor.step, "layout": _layout(actor),
+                          "model": actor.spec.name})
+    if _rank() == 0:
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step: keep the old one until the new one is in place
+            old = root / f".old-{name}"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        _fsync_dir(root)
+        _atomic_write(root / LATEST, name)
+        if keep_last:
+            _prune(root, keep_last)
+        print(f"[checkpoint] saved {final} in {time.time() - t0:.1f}s", flush=True)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted(p for p in root.glob("step_*") if (p / MANIFEST).is_file())
+    for old in steps[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(actor, path: str | Path, *, optimizer: bool = True, rng: bool = True,
+                    verify: str = "crc32") -> dict[str, Any]:
+    """Collective. Loads into `actor` (any layout); returns the saved progress dict.
+
+    Optimizer state and RNG are restored only when asked for; RNG streams are per rank, so they
+    are restored only when the layout is the same as at save time.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    folder = resolve_checkpoint(path)
+    manifest = verify_checkpoint(folder, verify)
+    same_layout = manifest.get("layout") == _layout(actor)
+    if manifest.get("model") not in (None, actor.spec.name):
+        raise CheckpointError(f"{folder} holds model '{manifest['model']}', "
+                              f"but the actor is '{actor.spec.name}'")
+    state = _sharded_state(actor, rng=rng and same_layout)
+    if optimizer:
+        state["optimizer"], common = _optimizer_state(actor, state["model"], loading=True)
+    try:
+        # megatron's naming: "unexpected" = asked for but absent from the checkpoint
+        loaded, _extra_in_ckpt, absent = dist_checkpointing.load(
+            state, str(folder), strict=StrictHandling.RETURN_ALL)
+    except Exception as e:  # megatron raises many types; name the folder
+        raise CheckpointError(f"cannot load {folder}: {type(e).__name__}: {e}") from e
+    if absent:
+        shown = ", ".join(sorted(absent)[:8])
+        raise CheckpointError(f"{folder} lacks {len(absent)} tensors the model needs: {shown}")
+    actor.model[0].module.load_state_dict(loaded["model"])
+    if optimizer:
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+        from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+        dict_list_map_inplace(
+            lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, common)
+        actor.optimizer_steps = int(loaded["optimizer_step"])
+        opt_state = merge(common, loaded["optimizer"])
+        _restore_step(opt_state, actor.optimizer_steps)
+        actor.optimizer.load_state_dict(opt_state)
+        actor.scheduler.load_state_dict(loaded["scheduler"])
+    if rng and same_layout:
+        _set_rng_state(loaded["rng"])
+    progress = dict(loaded["progress"])
+    actor.step = int(progress["step"])
+    return progress

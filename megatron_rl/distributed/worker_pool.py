@@ -1,0 +1,145 @@
+"""A long-lived pool of N ranks joined in one gloo/nccl process group.
+
+Starting a process that imports torch + megatron takes ~10 s here, so tests and CLI tools keep
+one pool and send it many jobs. A job is a module-level function run on every rank at once
+(SPMD); the pool returns the per-rank results, or raises with the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from megatron_rl.distributed.process_groups import free_port
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def _worker_main(rank: int, world: int, port: int, threads: int, conn, env: dict) -> None:
+    os.environ.update(env)
+    from megatron_rl.utils.logs import quiet_libraries
+
+    quiet_libraries()
+    import torch
+
+    torch.set_num_threads(threads)
+    from megatron_rl.distributed.process_groups import init_distributed
+
+    try:
+        init_distributed("gloo", rank=rank, world_size=world,
+                         init_method=f"tcp://127.0.0.1:{port}")
+        conn.send(("ready", None))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        fn, args, kwargs = job
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # report everything; the pool decides what to do
+            conn.send(("error", traceback.format_exc()))
+
+
+class WorkerPool:
+    def __init__(self, world_size: int, threads_per_rank: int | None = None,
+                 env: dict[str, str] | None = None, start_timeout: float = 300.0):
+        self.world_size = world_size
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._conns, self._procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            # not daemonic: megatron's checkpoint writer starts a helper process; the worker
+            # loop ends by itself when this pipe closes
+            proc = ctx.Process(target=_worker_main, daemon=False, name=f"mrl-rank{rank}",
+                               args=(rank, world_size, port, threads, child, dict(env or {})))
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        atexit.register(self.close, force=True)
+        self._collect("start", start_timeout)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600.0,
+            **kwargs: Any) -> list[Any]:
+        """Run `fn(*args, **kwargs)` on every rank; return the results in rank order."""
+        if not self.alive:
+            raise WorkerError("worker pool is closed or a rank died")
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(getattr(fn, "__name__", str(fn)), timeout)
+
+    def _collect(self, what: str, timeout: float, grace: float = 15.0) -> list[Any]:
+        """Gather one answer per rank. If a rank fails, the others are likely blocked in a
+        collective: give them `grace` seconds, then close the pool."""
+        from multiprocessing.connection import wait
+
+        pending = dict(enumerate(self._conns))
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if errors:
+                left = min(left, grace)
+            ready = wait(list(pending.values()), timeout=max(left, 0))
+            if not ready:
+                self.close(force=True)
+                stuck = ", ".join(str(r) for r in pending)
+                errors.append(f"ranks {stuck} gave no answer within "
+                              f"{grace if errors else timeout:.0f} s (pool closed)")
+                break
+            for rank, conn in list(pending.items()):
+                if conn not in ready:
+                    continue
+                del pending[rank]
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    errors.append(f"--- rank {rank} ---\nprocess died")
+                    continue
+                if status == "error":
+                    errors.append(f"--- rank {rank} ---\n{value}")
+                results[rank] = value
+        if errors:
+            if pending or any("process died" in e for e in errors):
+                self.close(force=True)
+            raise WorkerError(f"{what} failed:\n" + "\n".join(errors))
+        return [results[r] for r in range(self.world_size)]
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def close(self, force: bool = False) -> None:
+        for conn in self._conns:
+            try:
+                if not force:
+                    conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=0 if force else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._conns, self._procs = [], []
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,101 @@
+"""Job bodies that run inside the worker pools (every rank runs the same function).
+
+Kept apart from the test files so the spawned ranks import only this and the package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.checkpoint.training_checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.config.loader import load_config
+from megatron_rl.trainer.actor import MegatronActor
+from megatron_rl.trainer.batch import TokenBatch
+from megatron_rl.trainer.losses import lm_loss
+
+# adam_eps: Adam's first step is lr*g/(|g|+eps), a near-sign function. For gradient entries
+# around eps (1e-8) a 1e-7 relative fp32 reordering difference between layouts moves the update
+# by up to ~1e-5; eps=1e-6 keeps the comparison about the layouts, not about that cliff.
+BASE = ["model.name=tiny-moe", "model.seq_length=64", "train.global_batch_size=4",
+        "train.micro_batch_size=1", "optim.lr=1e-3", "optim.clip_grad=0", "train.seed=1234",
+        "optim.adam_eps=1e-6"]
+
+
+def fixed_batch(rows: int = 4, seq: int = 64, vocab: int = 512, seed: int = 7) -> TokenBatch:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (rows, seq + 1), generator=g)
+    mask = torch.ones_like(tokens)
+    mask[0, :10] = 0  # uneven token counts across rows: the global token mean must still hold
+    return TokenBatch.from_sequences(tokens, mask)
+
+
+def make_actor(overrides: list[str]) -> MegatronActor:
+    return MegatronActor(load_config(None, BASE + list(overrides)))
+
+
+def save_initial(folder: str, overrides: list[str] = ()) -> None:
+    actor = make_actor(list(overrides))
+    save_checkpoint(actor, folder)
+
+
+def two_steps(overrides: list[str], init: str, save: str | None) -> dict[str, float]:
+    """Load the shared initial weights, step, (save), step again. Returns the numbers."""
+    actor = make_actor(overrides)
+    load_checkpoint(actor, init, optimizer=False, rng=False)
+    batch = fixed_batch()
+    first = actor.train_step(batch, lm_loss)
+    after = actor.evaluate(batch, lm_loss)["loss"]
+    if save:
+        save_checkpoint(actor, save)
+    second = actor.train_step(batch, lm_loss)
+    return {"loss": first["loss"], "grad_norm": first["grad_norm"], "loss_after": after,
+            "loss2": second["loss"], "grad_norm2": second["grad_norm"]}
+
+
+def resume_and_step(overrides: list[str], ckpt: str) -> dict[str, float]:
+    """Load model + optimizer (resharded) and take the next step."""
+    actor = make_actor(overrides)
+    load_checkpoint(actor, ckpt, optimizer=True, rng=False)
+    batch = fixed_batch()
+    before = actor.evaluate(batch, lm_loss)["loss"]
+    step = actor.train_step(batch, lm_loss)
+    return {"loss_loaded": before, "loss2": step["loss"], "grad_norm2": step["grad_norm"]}
+
+
+def full_parameters(ckpt: str, overrides: list[str] = ()) -> dict[str, torch.Tensor]:
+    """Parameters of a checkpoint, loaded (resharded) into a 1-process model."""
+    actor = make_actor(list(overrides))
+    load_checkpoint(actor, ckpt, optimizer=False, rng=False)
+    return {k: v.detach().clone() for k, v in actor.parameters().items()}
+
+
+def logprobs_at(overrides: list[str], ckpt: str, chunk_tokens: int) -> torch.Tensor:
+    actor = make_actor(list(overrides) + [f"train.logprob_chunk_tokens={chunk_tokens}"])
+    load_checkpoint(actor, ckpt, optimizer=False, rng=False)
+    lp, ent = actor.compute_logprobs(fixed_batch())
+    return torch.stack([lp, ent], -1)
+
+
+def lm_run(overrides: list[str], stop_after: int | None = None) -> list[dict]:
+    from megatron_rl.trainer.lm_loop import run_lm_training
+
+    return run_lm_training(load_config(None, BASE + list(overrides)), stop_after=stop_after)
+
+
+def rank_of_failure(fail_rank: int) -> int:
+    if dist.get_rank() == fail_rank:
+        raise ValueError(f"deliberate failure on rank {fail_rank}")
+    return dist.get_rank()
+
+
+def param_count(overrides: list[str] = ()) -> int:
+    actor = make_actor(list(overrides))
+    n = torch.tensor(sum(p.numel() for p in actor.parameters().values()))
+    return int(n)
+
+
+def file_exists(path: str) -> bool:
+    return Path(path).exists()
