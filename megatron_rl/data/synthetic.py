@@ -20,7 +20,7 @@ class ArithmeticSequences:
     vocab_size: int
     seq_length: int
     seed: int = 0
-    max_stride: int = 7
+    max_stride: int = 3
 
     def sample(self, index: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -100,7 +102,13 @@ def init_model_parallel(parallel: ParallelConfig, seed: int) -> Layout:
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # as megatron's training does: distinct per pipeline stage, same across TP/DP; CPU weight
+    # init draws from the default generator, so seed it too
+    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
     return Layout(world_size=world, dp=dp,
                   tp_rank=ps.get_tensor_model_parallel_rank(),
                   pp_rank=ps.get_pipeline_model_parallel_rank(),

@@ -8,8 +8,10 @@ one pool and send it many jobs. A job is a module-level function run on every ra
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -23,6 +25,9 @@ class WorkerError(RuntimeError):
 
 
 def _worker_main(rank: int, world: int, port: int, threads: int, conn, env: dict) -> None:
+    # own process group: closing the pool also ends helpers a rank started (megatron's
+    # checkpoint writer runs a multiprocessing Manager server)
+    os.setpgid(0, 0)
     os.environ.update(env)
     from megatron_rl.utils.logs import quiet_libraries
 
@@ -70,7 +75,7 @@ class WorkerPool:
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
-        atexit.register(self.close, force=True)
+        atexit.register(self.close)
         self._collect("start", start_timeout)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600.0,
@@ -133,9 +138,9 @@ class WorkerPool:
                 pass
         for proc in self._procs:
             proc.join(timeout=0 if force else 10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the rank and anything it started
+            proc.join()
         self._conns, self._procs = [], []
 
     def __enter__(self) -> WorkerPool:

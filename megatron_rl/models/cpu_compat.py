@@ -207,17 +207,26 @@ def _probe_a2asplits() -> bool:
     return torch.is_tensor(td.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True))
 
 
-# -- adamstep: without Apex/TE the inner optimizer is torch Adam, whose per-param "step" tensor
-# the fully_reshardable loader never provides (it sets the step from param_groups instead)
+# -- adamstep: without Apex/TE the inner optimizer is torch Adam with a per-param "step" tensor.
+# megatron's distributed-optimizer load (a) hands ONE step tensor to every param, which Adam
+# then increments once per param per step, and (b) never provides "step" to the
+# fully_reshardable loader (KeyError)
 def _apply_adamstep() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
 
-    orig = DO._set_main_param_and_optimizer_states
+    orig_set, orig_load = DO._set_main_param_and_optimizer_states, DO.load_state_dict
 
     def set_states(self, model_param, tensors):
-        return orig(self, model_param, {"step": None, **tensors})  # None = leave as loaded
+        return orig_set(self, model_param, {"step": None, **tensors})  # None = keep loaded
+
+    def load_state_dict(self, state_dict):
+        orig_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
     DO._set_main_param_and_optimizer_states = set_states
+    DO.load_state_dict = load_state_dict
 
 
 def _probe_adamstep() -> bool:
@@ -225,7 +234,7 @@ def _probe_adamstep() -> bool:
 
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
 
-    return '"step"' not in inspect.getsource(DO._set_main_param_and_optimizer_states)
+    return 's["step"] = step\n' in inspect.getsource(DO.load_state_dict)
 
 
 SHIMS: tuple[Shim, ...] = (
