@@ -25,7 +25,7 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],
         "sglang": ["sglang==0.5.23", "sglang-router"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "py-spy"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

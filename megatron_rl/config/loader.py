@@ -45,13 +45,23 @@ def _dataclass_type(tp: Any) -> type | None:
 
 def _unknown_key(name: str, cls: type, root: type | None) -> ConfigError:
     candidates = dotted_keys(root or cls)
-    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
-    if not match:  # try the leaf name alone: `train.lr` should suggest `optim.lr`
-        leaf = name.rsplit(".", 1)[-1]
-        by_leaf = {k.rsplit(".", 1)[-1]: k for k in candidates}
-        close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
-        match = [by_leaf[close[0]]] if close else []
-    hint = f" (did you mean '{match[0]}'?)" if match else ""
+    if "." not in name:  # a top-level section name
+        candidates = [f.name for f in dataclasses.fields(root or cls)] + candidates
+    leaf = name.rsplit(".", 1)[-1]
+    by_leaf: dict[str, list[str]] = {}
+    for k in candidates:
+        by_leaf.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    # the same key in another section (`train.lr` → `optim.lr`), then a typo of a key name
+    # (`optim.lrr` → `optim.lr`), then anything close as a whole
+    close_leaf = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)
+    if leaf in by_leaf:
+        match = by_leaf[leaf][0]
+    elif close_leaf:
+        options = by_leaf[close_leaf[0]]
+        match = (difflib.get_close_matches(name, options, n=1, cutoff=0) or options)[0]
+    else:
+        match = next(iter(difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)), None)
+    hint = f" (did you mean '{match}'?)" if match else ""
     return ConfigError(f"unknown config key '{name}'{hint}")
 
 

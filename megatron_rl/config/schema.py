@@ -13,9 +13,8 @@ from typing import Any
 def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
             le: float | None = None, choices: tuple | None = None, help: str = "") -> Any:
     """A dataclass field with a validated range or set of choices."""
-    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, choices=choices, help=help).items() if v}
-    if ge == 0:  # `if v` above drops a zero bound
-        meta["ge"] = 0
+    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, choices=choices).items() if v is not None}
+    meta["help"] = help
     return field(default=default, metadata=meta)
 
 

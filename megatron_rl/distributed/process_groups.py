@@ -77,6 +77,15 @@ class Layout:
         return ps.is_pipeline_last_stage()
 
 
+def min_world_size(parallel: ParallelConfig) -> int:
+    """Fewest ranks that fit the layout: a multiple of tp*pp*cp whose DP*TP*CP holds EP*ETP."""
+    mp = parallel.model_parallel_size
+    dp = 1
+    while (dp * parallel.tp * parallel.cp) % (parallel.ep * parallel.etp):
+        dp += 1
+    return mp * dp
+
+
 def init_model_parallel(parallel: ParallelConfig, seed: int) -> Layout:
     """(Re)build Megatron's TP/PP/EP/CP/DP groups over the default group and seed every RNG."""
     from megatron_rl.models import cpu_compat

@@ -11,5 +11,6 @@ def quiet_libraries() -> None:
     if os.environ.get("MEGATRON_RL_VERBOSE"):
         return
     warnings.filterwarnings("ignore")
-    for name in ("megatron", "megatron.core", "torch.distributed", "transformers"):
+    for name in ("megatron", "megatron.core", "torch.distributed", "torch.utils.cpp_extension",
+                 "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -1,0 +1,22 @@
+SHELL := /bin/bash
+VENV := .venv
+PYTEST_ARGS ?=
+
+.PHONY: quickstart test lint setup gpu-check
+
+setup:
+	@tools/ensure_venv.sh dev
+
+quickstart: setup
+	$(VENV)/bin/megatron-rl quickstart
+
+# pytest exits 5 when it collects nothing: that is not a failure of the project
+test: setup
+	@set +e; $(VENV)/bin/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+lint: setup
+	$(VENV)/bin/ruff check megatron_rl tests tools benchmarks
+
+gpu-check: setup
+	tools/gpu_check.sh

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.config.loader import ConfigError, load_config, parse_overrides
+from megatron_rl.config.schema import Config
+
+
+def test_recipe_and_overrides_resolve_with_types():
+    cfg = load_config("tiny-moe-cpu", ["optim.lr=3e-4", "parallel.tp=2", "train.steps=7",
+                                       "parallel.sp=false", "checkpoint.dir=null"])
+    assert isinstance(cfg, Config)
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.parallel.tp == 2 and cfg.parallel.ep == 2  # recipe value kept
+    assert cfg.parallel.sequence_parallel is False
+    assert cfg.train.steps == 7
+    assert cfg.checkpoint.dir is None
+    assert load_config("tiny-moe-cpu").optim.lr == pytest.approx(1e-2)
+
+
+def test_sequence_parallel_defaults_on_with_tp():
+    assert load_config(None, ["parallel.tp=2"]).parallel.sequence_parallel is True
+    assert load_config(None, []).parallel.sequence_parallel is False
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.lr=1", "unknown config key 'train.lr' (did you mean 'optim.lr'?)"),
+    ("optim.lrr=1", "(did you mean 'optim.lr'?)"),
+    ("paralel.tp=2", "(did you mean 'parallel'?)"),
+    ("parallel.tp=0", "parallel.tp=0: must be >= 1"),
+    ("parallel.tp=two", "parallel.tp='two': expected an integer"),
+    ("optim.lr=-1", "optim.lr=-1.0: must be > 0"),
+    ("model.dtype=fp8", "model.dtype='fp8': must be one of ['fp32', 'bf16', 'fp16']"),
+    ("parallel.distributed_optimizer=1", "expected true or false"),
+    ("train.global_batch_size=6", "train.global_batch_size=6 is not a multiple of "
+                                  "train.micro_batch_size=4"),
+    ("nonsense", "must look like section.key=value"),
+])
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=8", override])
+    assert message in str(info.value)
+
+
+def test_unknown_recipe_suggests_closest():
+    with pytest.raises(ConfigError, match="did you mean 'tiny-moe-cpu'"):
+        load_config("tiny-moe-cp")
+
+
+def test_bad_yaml_file_names_the_file(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text("optim: {lr: [\n")
+    with pytest.raises(ConfigError, match="r.yaml: not valid YAML"):
+        load_config(str(bad))
+    bad.write_text("optim:\n  warmup: 3\n")
+    with pytest.raises(ConfigError, match="optim.warmup.*did you mean 'optim.warmup_steps'"):
+        load_config(str(bad))
+
+
+def test_yaml_scientific_notation_is_a_float():
+    assert parse_overrides(["optim.lr=1e-6"]) == {"optim": {"lr": "1e-6"}}  # YAML 1.1 quirk
+    assert load_config(None, ["optim.lr=1e-6"]).optim.lr == pytest.approx(1e-6)
+
+
+def test_cli_config_show(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "config", "show",
+                          "tiny-moe-cpu", "optim.lr=5e-3", "parallel.pp=2"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "lr: 0.005" in out and "pp: 2" in out and "name: tiny-moe" in out
+    bad = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "config", "show",
+                          "tiny-moe-cpu", "train.lr=1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "did you mean 'optim.lr'" in bad.stderr
