@@ -32,7 +32,7 @@ def _models(args: argparse.Namespace) -> int:
 
 def _launch(fn, cfg, nproc: int):
     """Run `fn(cfg)` SPMD: in-process under torchrun, else on a local gloo worker pool."""
-    if "RANK" in os.environ or nproc == 1 and "WORLD_SIZE" in os.environ:
+    if "RANK" in os.environ:  # started by torchrun: this process is one rank
         from megatron_rl.distributed.process_groups import init_distributed
 
         init_distributed(cfg.parallel.backend)
@@ -44,9 +44,8 @@ def _launch(fn, cfg, nproc: int):
 
 
 def _lm_train(args: argparse.Namespace) -> int:
-    from megatron_rl.trainer.lm_loop import run_lm_training
-
     from megatron_rl.distributed.process_groups import min_world_size
+    from megatron_rl.trainer.lm_loop import run_lm_training
 
     cfg = load_config(args.recipe, args.overrides)
     nproc = args.nproc or min_world_size(cfg.parallel)

@@ -17,3 +17,14 @@ def pool2():
 
 def pytest_sessionfinish(session, exitstatus):
     close_pools()
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (tools/gpu_check.sh runs these on a lent GPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -73,7 +73,7 @@ def full_parameters(ckpt: str, overrides: list[str] = ()) -> dict[str, torch.Ten
 
 
 def logprobs_at(overrides: list[str], ckpt: str, chunk_tokens: int) -> torch.Tensor:
-    actor = make_actor(list(overrides) + [f"train.logprob_chunk_tokens={chunk_tokens}"])
+    actor = make_actor([*overrides, f"train.logprob_chunk_tokens={chunk_tokens}"])
     load_checkpoint(actor, ckpt, optimizer=False, rng=False)
     lp, ent = actor.compute_logprobs(fixed_batch())
     return torch.stack([lp, ent], -1)

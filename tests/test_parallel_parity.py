@@ -81,7 +81,7 @@ def test_resharded_resume_continues_identically(name, reference):
 
 
 def test_tp2_logprobs_match_one_process_and_chunking_is_exact(reference):
-    root, init, _ = reference
+    _root, init, _ = reference
     full = get_pool(1).run(dist_cases.logprobs_at, [], init, 1 << 20)[0]
     chunked = get_pool(1).run(dist_cases.logprobs_at, [], init, 16)[0]
     tp2 = get_pool(2).run(dist_cases.logprobs_at, ["parallel.tp=2"], init, 16)

@@ -31,5 +31,8 @@ fi
 echo "[setup] installing megatron-rl[$EXTRAS] into $VENV (first time: ~3 min, ~6 GB)"
 "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q \
   -e ".[$EXTRAS]" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
-"$VENV/bin/python" -c "import megatron_rl, megatron.core, torch" 
+if ! "$VENV/bin/python" -c "import megatron_rl, megatron.core, torch" >/dev/null 2>&1; then
+  echo "error: $VENV is incomplete: 'import megatron_rl, megatron.core, torch' fails" >&2
+  exit 1
+fi
 echo "$want" > "$stamp"

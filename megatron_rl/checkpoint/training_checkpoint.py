@@ -248,7 +248,7 @@ def save_checkpoint(actor, root: str | Path, progress: dict[str, Any] | None = N
         tmp.mkdir()
     _barrier()
     state = _sharded_state(actor, rng=True)
-    state["optimizer"], common = _optimizer_state(actor, state["model"], loading=False)
+    state["optimizer"], _layout_specific = _optimizer_state(actor, state["model"], loading=False)
     state["optimizer_step"] = actor.optimizer_steps
     state["scheduler"] = actor.scheduler.state_dict()
     state["progress"] = {"step": actor.step, **(progress or {})}

@@ -7,13 +7,11 @@ import difflib
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
 from megatron_rl.config.schema import Config
-
-T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_ROOT = REPO_ROOT / "configs"
@@ -131,7 +129,7 @@ def _check_bounds(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None
         raise ConfigError(f"{name}={value!r}: must be <= {meta['le']}")
 
 
-def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "",
+def from_dict[T](cls: type[T], data: dict[str, Any] | None, prefix: str = "",
               root: type | None = None) -> T:
     """Build dataclass `cls` from a nested mapping, validating every key and value."""
     data = data or {}
@@ -182,7 +180,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in update.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        both_dicts = isinstance(v, dict) and isinstance(out.get(k), dict)
+        out[k] = deep_merge(out[k], v) if both_dicts else v
     return out
 
 

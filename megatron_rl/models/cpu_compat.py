@@ -98,7 +98,7 @@ def _apply_devcuda() -> None:
 
     def to(self, *a, **k):
         if a and _is_cuda(a[0]) and not isinstance(a[0], torch.dtype):
-            a = ("cpu",) + tuple(a[1:])
+            a = ("cpu", *a[1:])
         if _is_cuda(k.get("device")):
             k["device"] = "cpu"
         return orig_to(self, *a, **k)
@@ -181,7 +181,7 @@ def _probe_spnorm() -> bool:
     from megatron.core.transformer import torch_norm
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
                             sequence_parallel=True, tensor_model_parallel_size=2,
                             normalization="RMSNorm")
     return _raises(lambda: torch_norm.WrappedTorchNorm(cfg, 8))

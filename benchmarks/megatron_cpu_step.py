@@ -1,0 +1,99 @@
+"""Tokens/s of one Megatron train step (tiny MoE, CPU, fp32) vs plain PyTorch, same run.
+
+The plain-PyTorch side is transformers' eager implementation of the same architecture, built
+from the same registry entry (identical parameter count), trained with torch AdamW on the same
+batch. It runs first, before the Megatron CPU shims touch torch. Prints both and their ratio.
+
+    python benchmarks/megatron_cpu_step.py [--model tiny-moe] [--batch 8] [--seq 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _time_steps(step, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def plain_pytorch(spec, tokens: torch.Tensor, warmup: int, steps: int) -> tuple[float, int]:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=tokens[:, :-1], labels=tokens[:, :-1])
+        out.loss.backward()
+        opt.step()
+
+    times = _time_steps(step, warmup, steps)
+    return statistics.median(times), sum(p.numel() for p in model.parameters())
+
+
+def megatron(model_name: str, tokens: torch.Tensor, warmup: int, steps: int
+             ) -> tuple[float, int]:
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.distributed.process_groups import init_distributed
+    from megatron_rl.trainer.actor import MegatronActor
+    from megatron_rl.trainer.batch import TokenBatch
+    from megatron_rl.trainer.losses import lm_loss
+
+    rows, seq = tokens.shape[0], tokens.shape[1] - 1
+    init_distributed("gloo")
+    cfg = load_config(None, [f"model.name={model_name}", f"model.seq_length={seq}",
+                             f"train.global_batch_size={rows}", f"train.micro_batch_size={rows}",
+                             "optim.lr=1e-3"])
+    actor = MegatronActor(cfg)
+    batch = TokenBatch.from_sequences(tokens)
+    times = _time_steps(lambda: actor.train_step(batch, lm_loss), warmup, steps)
+    return statistics.median(times), sum(p.numel() for p in actor.parameters().values())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny-moe")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+
+    from megatron_rl.models.registry import get_model_spec
+    from megatron_rl.utils.logs import quiet_libraries
+
+    quiet_libraries()
+    torch.set_num_threads(args.threads)
+    spec = get_model_spec(args.model)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, spec.vocab_size, (args.batch, args.seq + 1), generator=g)
+    n_tokens = args.batch * args.seq
+
+    t_plain, n_plain = plain_pytorch(spec, tokens, args.warmup, args.steps)
+    t_mcore, n_mcore = megatron(args.model, tokens, args.warmup, args.steps)
+    plain_tps, mcore_tps = n_tokens / t_plain, n_tokens / t_mcore
+    print(f"model {args.model}: {n_mcore:,} params (plain PyTorch: {n_plain:,}); "
+          f"batch {args.batch}x{args.seq}, fp32, {args.threads} threads, median of {args.steps}")
+    print(f"{'implementation':28s} {'step (ms)':>10s} {'tokens/s':>10s}")
+    print(f"{'plain PyTorch (transformers)':28s} {t_plain * 1e3:10.1f} {plain_tps:10.0f}")
+    print(f"{'Megatron-core (local spec)':28s} {t_mcore * 1e3:10.1f} {mcore_tps:10.0f}")
+    print(f"ratio megatron/plain tokens/s = {mcore_tps / plain_tps:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.data.synthetic import ArithmeticSequences
+from megatron_rl.models.logprobs import vocab_parallel_logprobs
+from megatron_rl.trainer.batch import TokenBatch
+
+
+def test_token_batch_shapes_and_errors():
+    tokens = torch.arange(20).view(2, 10)
+    b = TokenBatch.from_sequences(tokens)
+    assert b.input_ids.shape == (2, 9) and torch.equal(b.labels, tokens[:, 1:])
+    assert b.loss_mask.dtype == torch.float32 and b.position_ids[1, 3] == 3
+    with pytest.raises(ValueError, match=r"TokenBatch.labels has shape \(2, 8\)"):
+        TokenBatch(b.input_ids, b.labels[:, :8], b.loss_mask)
+    with pytest.raises(ValueError, match="extras\\['adv'\\]"):
+        TokenBatch(b.input_ids, b.labels, b.loss_mask, extras={"adv": torch.zeros(3, 9)})
+    with pytest.raises(ValueError, match="does not split over 4 DP ranks"):
+        b.shard(0, 4)
+    parts = TokenBatch.from_sequences(torch.arange(40).view(4, 10)).shard(1, 2).micro_batches(1)
+    assert [p.input_ids[0, 0].item() for p in parts] == [20, 30]
+
+
+def test_logprobs_and_entropy_match_log_softmax_with_padded_vocab():
+    torch.manual_seed(0)
+    vocab, padded = 50, 52  # two padded rows must get no probability
+    logits = torch.randn(6, 3, padded, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (6, 3))
+    logp, ent = vocab_parallel_logprobs(logits, labels, 0, vocab)
+    ref = torch.log_softmax(logits[..., :vocab].float(), -1)
+    ref_logp = ref.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(ref.exp() * ref).sum(-1)
+    assert (logp - ref_logp).abs().max() < 1e-5 and (ent - ref_ent).abs().max() < 1e-5
+    (logp.sum() + 0.1 * ent.sum()).backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    (ref_logp.sum() + 0.1 * ref_ent.sum()).backward()
+    assert (grad - logits.grad).abs().max() < 1e-5
+    assert grad[..., vocab:].abs().max() == 0  # padded ids get no gradient
+
+
+def test_synthetic_stream_is_deterministic_and_learnable():
+    data = ArithmeticSequences(vocab_size=64, seq_length=8, seed=3)
+    assert torch.equal(data.batch(5, 2).input_ids, data.batch(5, 2).input_ids)
+    seq = data.sample(11)
+    strides = (seq[1:] - seq[:-1]) % 64
+    assert len(set(strides.tolist())) == 1 and 1 <= strides[0] <= data.max_stride

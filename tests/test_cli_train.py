@@ -1,0 +1,25 @@
+"""The main-job command end to end: 2 gloo ranks, real Megatron, metrics, PNG, checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_lm_train_command(tmp_path):
+    out_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "lm-train", "tiny-moe-cpu",
+           "train.steps=4", f"train.output_dir={out_dir}", f"checkpoint.dir={ckpt}",
+           "checkpoint.save_every=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on 2 rank(s)" in proc.stdout and "loss 6." in proc.stdout
+    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    png = (out_dir / "lm_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert (ckpt / "latest").read_text() == "step_000004"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000002", "step_000004"]
+    assert not list(ckpt.glob(".tmp-*"))

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from megatron_rl.distributed.worker_pool import WorkerError, WorkerPool
+from tests import dist_cases
+
+
+def _sleep(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_results_in_rank_order(pool2):
+    assert pool2.run(dist_cases.rank_of_failure, -1) == [0, 1]
+
+
+def test_failure_on_one_rank_names_it_and_pool_survives(pool2):
+    with pytest.raises(WorkerError) as info:
+        pool2.run(dist_cases.rank_of_failure, 1)
+    msg = str(info.value)
+    assert "--- rank 1 ---" in msg and "deliberate failure on rank 1" in msg
+    assert "--- rank 0 ---" not in msg
+    assert pool2.alive and pool2.run(dist_cases.rank_of_failure, -1) == [0, 1]
+
+
+def test_hung_job_times_out_and_closes_the_pool():
+    with WorkerPool(1) as pool:
+        pid = pool.run(_sleep, 0)[0]
+        with pytest.raises(WorkerError, match="no answer within 1 s"):
+            pool.run(_sleep, 30, timeout=1)
+        assert not pool.alive
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # the rank is gone, not left behind
