@@ -236,27 +236,32 @@ def _sharded_state(actor, *, rng: bool) -> dict[str, Any]:
 def save_checkpoint(actor, root: str | Path, progress: dict[str, Any] | None = None,
                     keep_last: int | None = None) -> Path:
     """Collective: every rank calls it. Returns the final step folder."""
-    from megatron.core import dist_checkpointing
-
-    t0 = time.time()
-    root = Path(root)
-    name = f"step_{actor.step:06d}"
-    final, tmp = root / name, root / f".tmp-{name}"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
     state = _sharded_state(actor, rng=True)
     state["optimizer"], _layout_specific = _optimizer_state(actor, state["model"], loading=False)
     state["optimizer_step"] = actor.optimizer_steps
     state["scheduler"] = actor.scheduler.state_dict()
     state["progress"] = {"step": actor.step, **(progress or {})}
     state["layout"] = _layout(actor)
+    info = {"step": actor.step, "layout": _layout(actor), "model": actor.spec.name,
+            "contents": ["model", "optimizer", "scheduler", "rng", "progress"]}
+    return write_sharded(state, Path(root), f"step_{actor.step:06d}", info, keep_last)
+
+
+def write_sharded(state: dict[str, Any], root: Path, name: str, info: dict[str, Any],
+                  keep_last: int | None = None, update_latest: bool = True) -> Path:
+    """Save a sharded state dict as `root/name` atomically, with a manifest; update `latest`."""
+    from megatron.core import dist_checkpointing
+
+    t0 = time.time()
+    final, tmp = root / name, root / f".tmp-{name}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
     dist_checkpointing.save(state, str(tmp))
     _barrier()
-    _write_manifest(tmp, {"step": actor.step, "layout": _layout(actor),
-                          "model": actor.spec.name})
+    _write_manifest(tmp, info)
     if _rank() == 0:
         _fsync_dir(tmp)
         if final.exists():  # re-saving a step: keep the old one until the new one is in place
@@ -268,7 +273,8 @@ def save_checkpoint(actor, root: str | Path, progress: dict[str, Any] | None = N
         else:
             tmp.rename(final)
         _fsync_dir(root)
-        _atomic_write(root / LATEST, name)
+        if update_latest:
+            _atomic_write(root / LATEST, name)
         if keep_last:
             _prune(root, keep_last)
         print(f"[checkpoint] saved {final} in {time.time() - t0:.1f}s", flush=True)
@@ -294,6 +300,9 @@ def load_checkpoint(actor, path: str | Path, *, optimizer: bool = True, rng: boo
 
     folder = resolve_checkpoint(path)
     manifest = verify_checkpoint(folder, verify)
+    contents = manifest.get("contents", ["model", "optimizer", "scheduler", "rng", "progress"])
+    optimizer = optimizer and "optimizer" in contents  # e.g. a model converted from HF
+    rng = rng and "rng" in contents
     same_layout = manifest.get("layout") == _layout(actor)
     if manifest.get("model") not in (None, actor.spec.name):
         raise CheckpointError(f"{folder} holds model '{manifest['model']}', "
@@ -324,6 +333,6 @@ def load_checkpoint(actor, path: str | Path, *, optimizer: bool = True, rng: boo
         actor.scheduler.load_state_dict(loaded["scheduler"])
     if rng and same_layout:
         _set_rng_state(loaded["rng"])
-    progress = dict(loaded["progress"])
+    progress = dict(loaded.get("progress", {"step": 0}))
     actor.step = int(progress["step"])
     return progress

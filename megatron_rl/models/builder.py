@@ -68,6 +68,8 @@ def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, parallel: Parall
         # fused kernels exist only on GPU
         bias_dropout_fusion=on_gpu, apply_rope_fusion=False, masked_softmax_fusion=on_gpu,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
+        # validated even for dense models (allgather refuses variable sequence lengths)
+        moe_token_dispatcher_type=parallel.moe_dispatcher,
     )
     if spec.is_moe:
         kw.update(
@@ -77,7 +79,6 @@ def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, parallel: Parall
             moe_router_pre_softmax=not spec.norm_topk_prob,
             moe_aux_loss_coeff=spec.router_aux_loss_coef,
             moe_router_load_balancing_type="aux_loss" if spec.router_aux_loss_coef else "none",
-            moe_token_dispatcher_type=parallel.moe_dispatcher,
             moe_grouped_gemm=use_transformer_engine(model_cfg),
             moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size,
             moe_shared_expert_gate=spec.shared_expert_gate,

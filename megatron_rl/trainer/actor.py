@@ -114,6 +114,24 @@ class MegatronActor:
         full = torch.cat(gathered)
         return full[..., 0], full[..., 1]
 
+    @torch.no_grad()
+    def compute_logits(self, batch: TokenBatch) -> torch.Tensor:
+        """Full-vocabulary logits [rows, seq, vocab] on every rank (for checks, not training:
+        it materialises what `compute_logprobs` avoids)."""
+        from megatron.core import parallel_state as ps
+
+        for chunk in self.model:
+            chunk.eval()
+        local = batch.shard(self.layout.dp_rank, self.layout.dp)
+        outputs = self._schedule(local, lambda mb, out, non_loss_data=False: out,
+                                 forward_only=True, collect=True,
+                                 processor=partial(_gathered_logits, vocab=self.spec.vocab_size))
+        shard = torch.cat(outputs) if outputs else None
+        shard = self._from_last_stage(shard)
+        gathered = [torch.empty_like(shard) for _ in range(self.layout.dp)]
+        dist.all_gather(gathered, shard.contiguous(), group=ps.get_data_parallel_group())
+        return torch.cat(gathered)
+
     # -- internals ---------------------------------------------------------------------------
     def _forward_backward(self, batch: TokenBatch, loss_fn: LossFn, forward_only: bool
                           ) -> dict[str, float]:
@@ -131,12 +149,12 @@ class MegatronActor:
         return self._reduce_metrics(per_mb)
 
     def _schedule(self, local: TokenBatch, loss_func, *, forward_only: bool, collect: bool,
-                  temperature: float = 1.0) -> list[Any]:
+                  temperature: float = 1.0, processor=None) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro = local.micro_batches(min(self.cfg.train.micro_batch_size, local.rows))
-        processor = logprob_output_processor(self.spec.vocab_size, temperature,
-                                             self.cfg.train.logprob_chunk_tokens)
+        processor = processor or logprob_output_processor(
+            self.spec.vocab_size, temperature, self.cfg.train.logprob_chunk_tokens)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -184,3 +202,11 @@ class MegatronActor:
     def parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by Megatron name (no DDP prefix)."""
         return {name: p for name, p in self.model[0].module.named_parameters()}
+
+
+def _gathered_logits(*, hidden_states, output_layer, output_weight, vocab: int, **_unused):
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    logits, _ = output_layer(hidden_states, weight=output_weight)
+    logits = gather_from_tensor_model_parallel_region(logits)  # [s, b, V_padded]
+    return logits[..., :vocab].transpose(0, 1).float().contiguous()

@@ -30,7 +30,7 @@ def run_lm_training(cfg: Config, stop_after: int | None = None) -> list[dict[str
     if load == "latest":
         load = latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
     if load:
-        cursor = load_checkpoint(actor, load, verify=cfg.checkpoint.verify)["cursor"]
+        cursor = load_checkpoint(actor, load, verify=cfg.checkpoint.verify).get("cursor", 0)
     logger = MetricsLogger(cfg.train.output_dir, enabled=dist.get_rank() == 0,
                            resume=actor.step > 0)
     rows = []
