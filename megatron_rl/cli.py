@@ -6,7 +6,9 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
+from megatron_rl.checkpoint.errors import CheckpointError, HFCheckpointError, WeightMapError
 from megatron_rl.config.loader import ConfigError, load_config, to_yaml
 
 
@@ -61,6 +63,53 @@ def _lm_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_hf_to_megatron(args: argparse.Namespace) -> int:
+    from megatron_rl.checkpoint.convert import import_hf
+    from megatron_rl.config.schema import ParallelConfig
+    from megatron_rl.distributed.process_groups import min_world_size
+
+    overrides = [f"parallel.{k}={v}" for k, v in (("tp", args.tp), ("pp", args.pp),
+                                                     ("ep", args.ep)) if v]
+    parallel = load_config(None, overrides).parallel if overrides else ParallelConfig()
+    nproc = args.nproc or min_world_size(parallel)
+    t0 = time.time()
+    results = _launch_job(import_hf, nproc, args.hf, args.out, args.model, overrides, args.dtype)
+    seconds = time.time() - t0
+    size = sum(f.stat().st_size for f in Path(args.out).rglob("*") if f.is_file())
+    worst = max(r["peak_rss_mb"] for r in results)
+    print(f"[convert] {args.hf} -> {args.out} (torch_dist, {nproc} rank(s)): "
+          f"{size / 1e6:.1f} MB in {seconds:.1f}s ({size / 1e6 / seconds:.1f} MB/s), "
+          f"peak RSS per rank {worst:.0f} MB")
+    return 0
+
+
+def _convert_megatron_to_hf(args: argparse.Namespace) -> int:
+    from megatron_rl.checkpoint.convert import export_hf
+    from megatron_rl.utils.logs import quiet_libraries
+
+    quiet_libraries()
+    r = export_hf(args.ckpt, args.out, args.model, tokenizer_dir=args.tokenizer,
+                  dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+                  overwrite=args.overwrite)
+    print(f"[convert] {args.ckpt} -> {args.out} (HF, {len(r['files'])} shard(s), "
+          f"{r['tensors']} tensors): {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f}s "
+          f"({r['mb_per_s']:.1f} MB/s), peak RSS {r['peak_rss_mb']:.0f} MB")
+    return 0
+
+
+def _launch_job(fn, nproc: int, *args):
+    """Run a module-level job on `nproc` local ranks (or on this rank under torchrun)."""
+    if "RANK" in os.environ:
+        from megatron_rl.distributed.process_groups import init_distributed
+
+        init_distributed()
+        return [fn(*args)]
+    from megatron_rl.distributed.worker_pool import WorkerPool
+
+    with WorkerPool(nproc) as pool:
+        return pool.run(fn, *args, timeout=24 * 3600)
+
+
 def _quickstart(args: argparse.Namespace) -> int:
     args.recipe = "tiny-moe-cpu"
     return _lm_train(args)
@@ -86,6 +135,28 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--nproc", type=int, default=0, help="local ranks (default: from layout)")
     lm.set_defaults(func=_lm_train)
 
+    conv = sub.add_parser("convert", help="HF ⇄ Megatron checkpoints (no GPU needed)")
+    csub2 = conv.add_subparsers(dest="direction", required=True)
+    h2m = csub2.add_parser("hf-to-megatron", help="HF folder → torch_dist (loads at any layout)")
+    h2m.add_argument("--hf", required=True, help="HF checkpoint folder")
+    h2m.add_argument("--out", required=True, help="torch_dist folder to create")
+    h2m.add_argument("--model", required=True, help="registry entry, e.g. qwen3-30b-a3b")
+    h2m.add_argument("--tp", type=int, default=0)
+    h2m.add_argument("--pp", type=int, default=0)
+    h2m.add_argument("--ep", type=int, default=0)
+    h2m.add_argument("--nproc", type=int, default=0, help="ranks (default: from the layout)")
+    h2m.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    h2m.set_defaults(func=_convert_hf_to_megatron)
+    m2h = csub2.add_parser("megatron-to-hf", help="torch_dist → HF safetensors (streaming)")
+    m2h.add_argument("--ckpt", required=True, help="a step folder, or a run folder with latest")
+    m2h.add_argument("--out", required=True, help="HF folder to create")
+    m2h.add_argument("--model", required=True)
+    m2h.add_argument("--tokenizer", help="folder whose tokenizer files are copied")
+    m2h.add_argument("--dtype", choices=("fp32", "bf16"), help="default: as stored")
+    m2h.add_argument("--max-shard-gb", type=float, default=2.0)
+    m2h.add_argument("--overwrite", action="store_true")
+    m2h.set_defaults(func=_convert_megatron_to_hf)
+
     q = sub.add_parser("quickstart", help="the embedded default on this machine's CPUs")
     q.add_argument("overrides", nargs="*")
     q.add_argument("--nproc", type=int, default=2)
@@ -99,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as e:
         print(f"megatron-rl: config error: {e}", file=sys.stderr)
+        return 2
+    except (HFCheckpointError, CheckpointError, WeightMapError, FileExistsError) as e:
+        print(f"megatron-rl: {e}", file=sys.stderr)
         return 2
 
 

@@ -20,13 +20,9 @@ from typing import Any
 
 import torch
 
-from megatron_rl.checkpoint.hf_io import (
-    HFCheckpoint,
-    HFCheckpointError,
-    ShardedSafetensorsWriter,
-    copy_tokenizer,
-)
-from megatron_rl.checkpoint.weight_map import WeightMap, WeightMapError
+from megatron_rl.checkpoint.errors import HFCheckpointError, WeightMapError
+from megatron_rl.checkpoint.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_tokenizer
+from megatron_rl.checkpoint.weight_map import WeightMap
 from megatron_rl.models.registry import HF_CLASSES, ModelSpec
 
 
@@ -216,7 +212,7 @@ def read_regions(folder: Path, regions: dict[str, tuple[tuple[int, ...], tuple[i
     with warnings.catch_warnings():  # "assuming single process" is exactly the intent
         warnings.simplefilter("ignore")
         load(buffers, storage_reader=FileSystemReader(str(folder)),
-             planner=_RegionPlanner(regions), no_dist=True)
+             planner=_region_planner(regions), no_dist=True)
     return buffers
 
 
@@ -248,6 +244,6 @@ def _region_planner_cls():
     return RegionPlanner
 
 
-def _RegionPlanner(regions):  # noqa: N802 - a class built lazily (torch.distributed imports)
+def _region_planner(regions):
     return _region_planner_cls()(regions)
 

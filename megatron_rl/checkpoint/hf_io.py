@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.checkpoint.errors import HFCheckpointError
 from megatron_rl.checkpoint.weight_map import WeightMap
 
 INDEX = "model.safetensors.index.json"
@@ -17,10 +18,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
 # VL checkpoints (e.g. Qwen3.5) keep the text model under this prefix
 VL_TEXT_PREFIX = "model.language_model."
-
-
-class HFCheckpointError(ValueError):
-    """An HF checkpoint folder is missing, incomplete or does not fit the model."""
 
 
 class HFCheckpoint:

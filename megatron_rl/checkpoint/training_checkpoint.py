@@ -23,13 +23,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl.checkpoint.errors import CheckpointError
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
 
 
 # -- integrity ---------------------------------------------------------------------------------

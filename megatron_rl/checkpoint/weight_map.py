@@ -16,14 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rl.checkpoint.errors import WeightMapError
 from megatron_rl.models.registry import ModelSpec
 
 HfGetter = Callable[[str], torch.Tensor]
-
-
-class WeightMapError(KeyError):
-    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
-        return str(self.args[0])
 
 
 @dataclass(frozen=True)

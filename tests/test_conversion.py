@@ -1,0 +1,189 @@
+"""HF ⇄ Megatron conversion: parity with transformers, exact round trips, loud bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_rl.distributed.worker_pool import WorkerError
+from tests import conversion_cases as cc
+from tests.pools import get_pool
+
+TOL = 1e-4
+LAYOUTS = {
+    "tiny-moe": {"tp2-sp": ["parallel.tp=2"], "ep2": ["parallel.ep=2"], "pp2": ["parallel.pp=2"]},
+    "tiny-dense": {"tp2-sp": ["parallel.tp=2"], "tp2": ["parallel.tp=2", "parallel.sp=false"],
+                   "pp2": ["parallel.pp=2"]},
+}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Per model: a random HF checkpoint, its logits, and its TP1 torch_dist import."""
+    root = tmp_path_factory.mktemp("conv")
+    pool = get_pool(1)
+    out = {}
+    for model in LAYOUTS:
+        hf, mcore = root / f"{model}-hf", root / f"{model}-mcore"
+        pool.run(cc.save_random_hf, model, str(hf))
+        ids = cc.tokens(512)
+        ref = pool.run(cc.hf_logits, str(hf), ids)[0]
+        pool.run(cc.import_hf, str(hf), str(mcore), model, [])
+        out[model] = (root, hf, mcore, ids, ref)
+    return out
+
+
+@pytest.mark.parametrize("model", list(LAYOUTS))
+def test_logits_match_transformers_at_tp1(model, converted):
+    _, _, mcore, ids, ref = converted[model]
+    got = get_pool(1).run(cc.megatron_logits, model, str(mcore), [], ids)[0]
+    diff = (got - ref).abs().max().item()
+    print(f"\n{model} tp1: max |Δlogit| = {diff:.2e}")
+    assert got.shape == ref.shape and diff <= TOL
+
+
+@pytest.mark.parametrize("model,layout", [(m, k) for m, ls in LAYOUTS.items() for k in ls])
+def test_logits_match_transformers_at_2_ranks(model, layout, converted):
+    _, _, mcore, ids, ref = converted[model]
+    results = get_pool(2).run(cc.megatron_logits, model, str(mcore), LAYOUTS[model][layout], ids)
+    for got in results:
+        diff = (got - ref).abs().max().item()
+        assert diff <= TOL, (model, layout, diff)
+    print(f"\n{model} {layout}: max |Δlogit| = {diff:.2e}")
+
+
+@pytest.mark.parametrize("model", list(LAYOUTS))
+def test_round_trip_is_bit_exact_and_reloads(model, converted, tmp_path):
+    _, hf, mcore, _, _ = converted[model]
+    back = tmp_path / "back"
+    report = cc.export_hf(str(mcore), str(back), model)
+    original, exported = cc.read_safetensors(str(hf)), cc.read_safetensors(str(back))
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    config = json.loads((back / "config.json").read_text())
+    assert config["architectures"] == [{"tiny-moe": "Qwen3MoeForCausalLM",
+                                        "tiny-dense": "Qwen3ForCausalLM"}[model]]
+    assert (back / "generation_config.json").is_file()
+    assert report["tensors"] == len(original)
+    generated = get_pool(1).run(cc.hf_generates, str(back))[0]
+    assert generated[:3] == [1, 2, 3] and len(generated) == 8
+
+
+def test_import_at_tp2_trains_at_tp1(converted, tmp_path):
+    """Converted at one layout, loaded at another: same logits."""
+    _, hf, _, ids, ref = converted["tiny-moe"]
+    mcore = tmp_path / "tp2"
+    get_pool(2).run(cc.import_hf, str(hf), str(mcore), "tiny-moe", ["parallel.tp=2"])
+    got = get_pool(1).run(cc.megatron_logits, "tiny-moe", str(mcore), [], ids)[0]
+    assert (got - ref).abs().max().item() <= TOL
+
+
+def test_sharded_export_with_index_and_tokenizer(converted, tmp_path):
+    _, hf, mcore, _, _ = converted["tiny-moe"]
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    out = tmp_path / "sharded"
+    report = cc.export_hf(str(mcore), str(out), "tiny-moe", tokenizer_dir=str(tok),
+                          max_shard_bytes=200_000)
+    assert len(report["files"]) >= 3 and report["tokenizer_files"] == ["tokenizer_config.json"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(report["files"])
+    assert all(torch.equal(a, b) for a, b in zip(
+        cc.read_safetensors(str(hf)).values(), [cc.read_safetensors(str(out))[k] for k in
+                                                cc.read_safetensors(str(hf))], strict=True))
+    with pytest.raises(FileExistsError):
+        cc.export_hf(str(mcore), str(out), "tiny-moe")
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def _import_error(hf, tmp_path, model="tiny-moe") -> str:
+    target = tmp_path / "target"
+    with pytest.raises(WorkerError) as info:
+        get_pool(1).run(cc.import_hf, str(hf), str(target), model, [])
+    assert not target.exists() and not list(tmp_path.glob(".tmp-target*"))  # nothing half-done
+    return str(info.value)
+
+
+def _rewrite(hf, tmp_path, edit):
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "edited"
+    shutil.copytree(hf, copy)
+    tensors = load_file(str(copy / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    return copy
+
+
+def test_bad_hf_input_names_the_problem(converted, tmp_path):
+    _, hf, _, _, _ = converted["tiny-moe"]
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    missing = _rewrite(hf, tmp_path / "a", lambda t: t.pop(name))
+    assert f"missing tensor {name}" in _import_error(missing, tmp_path / "a")
+    extra = _rewrite(hf, tmp_path / "b", lambda t: t.update({"model.bogus.weight": t[name] * 1}))
+    assert "unexpected tensor model.bogus.weight" in _import_error(extra, tmp_path / "b")
+    shaped = _rewrite(hf, tmp_path / "c", lambda t: t.update({name: t[name][:10]}))
+    assert f"tensor {name} has shape [10, 64], expected [64, 64]" in _import_error(
+        shaped, tmp_path / "c")
+    wrong = tmp_path / "d" / "wrong"
+    shutil.copytree(hf, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    assert "architecture ['LlamaForCausalLM'] does not match" in _import_error(
+        wrong, tmp_path / "d")
+    notckpt = tmp_path / "e" / "empty"
+    notckpt.mkdir(parents=True)
+    assert "is not an HF checkpoint: no config.json" in _import_error(notckpt, tmp_path / "e")
+
+
+def test_incomplete_shard_set(converted, tmp_path):
+    _, _, mcore, _, _ = converted["tiny-moe"]
+    out = tmp_path / "multi"
+    cc.export_hf(str(mcore), str(out), "tiny-moe", max_shard_bytes=200_000)
+    victim = sorted(out.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    assert f"incomplete shard set, missing {victim.name}" in _import_error(out, tmp_path)
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    from megatron_rl.checkpoint.errors import WeightMapError
+    from megatron_rl.checkpoint.weight_map import WeightMap
+    from megatron_rl.models.registry import get_model_spec
+
+    with pytest.raises(WeightMapError, match="no HF⇄Megatron weight map for architecture "
+                                             "'qwen3_5_moe'"):
+        WeightMap(get_model_spec("qwen3.5-35b-a3b"))
+
+
+def test_cli_converters(converted, tmp_path):
+    _, hf, _, _, _ = converted["tiny-dense"]
+    mcore, back = tmp_path / "m", tmp_path / "h"
+    run = [sys.executable, "tools/convert_hf_to_megatron.py", "--hf", str(hf), "--out",
+           str(mcore), "--model", "tiny-dense", "--tp", "2"]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torch_dist, 2 rank(s)" in proc.stdout and "peak RSS per rank" in proc.stdout
+    proc = subprocess.run([sys.executable, "tools/convert_megatron_to_hf.py", "--ckpt",
+                           str(mcore), "--out", str(back), "--model", "tiny-dense"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "MB/s" in proc.stdout
+    a, b = cc.read_safetensors(str(hf)), cc.read_safetensors(str(back))
+    assert all(torch.equal(a[k], b[k]) for k in a) and sorted(a) == sorted(b)
+    bad = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "convert", "megatron-to-hf",
+                          "--ckpt", str(tmp_path / "nope"), "--out", str(tmp_path / "x"),
+                          "--model", "tiny-dense"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "checkpoint folder not found" in bad.stderr
+
+
+def test_cli_does_not_import_torch_for_config():
+    code = "import sys, megatron_rl.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
