@@ -94,7 +94,8 @@ def import_hf(hf_dir: str, out_dir: str, model_name: str, parallel_overrides: li
     hf = HFCheckpoint(hf_dir)
     hf.check(wmap, (HF_CLASSES[spec.architecture][1], *_vl_names(spec)))
     layout = init_model_parallel(cfg.parallel, cfg.train.seed)
-    module = build_gpt_model(spec, cfg.model, cfg.parallel)
+    # every weight is overwritten from HF: skip random init (time, and its full-size temporaries)
+    module = build_gpt_model(spec, cfg.model, cfg.parallel, perform_initialization=False)
     filled = load_hf_weights(module, hf, wmap)
     out = Path(out_dir)
     p = cfg.parallel

@@ -46,7 +46,6 @@ class HFCheckpoint:
         if missing_files:
             raise HFCheckpointError(f"{self.path}: incomplete shard set, missing "
                                     f"{', '.join(missing_files)} (listed in {INDEX})")
-        self._files = {}
         # a VL checkpoint exposes its text model under the plain causal-LM names
         self.weight_map = {}
         for name, file in weight_map.items():
@@ -62,20 +61,19 @@ class HFCheckpoint:
     def names(self) -> list[str]:
         return list(self.weight_map)
 
-    def _handle(self, file: str):
-        if file not in self._files:
-            self._files[file] = self._open(self.path / file, "pt")
-        return self._files[file]
-
+    # Each read maps the shard and unmaps it again: a mapping kept open would hold every page
+    # read so far in this process's RSS, i.e. the whole checkpoint by the end.
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise HFCheckpointError(f"{self.path}: tensor '{name}' is missing")
         file, stored = self.weight_map[name]
-        return self._handle(file).get_tensor(stored)
+        with self._open(self.path / file, "pt") as f:
+            return f.get_tensor(stored)
 
     def shape(self, name: str) -> tuple[int, ...]:
         file, stored = self.weight_map[name]
-        return tuple(self._handle(file).get_slice(stored).get_shape())
+        with self._open(self.path / file, "pt") as f:
+            return tuple(f.get_slice(stored).get_shape())
 
     def check(self, wmap: WeightMap, expected_architectures: tuple[str, ...]) -> None:
         """Architecture, tensor set and every shape must match the registry entry."""
