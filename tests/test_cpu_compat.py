@@ -33,3 +33,41 @@ def test_apply_is_idempotent_and_cpu_only():
                          check=True).stdout.split()
     assert out == ["True", str(len(cpu_compat.SHIMS))] or torch.cuda.is_available()
     assert cpu_compat.needs_shims() == (not torch.cuda.is_available())
+
+
+def test_cuda_tensor_module_list_covers_megatron():
+    """Every megatron module on CPU paths that calls torch.tensor(..., device='cuda') is listed."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(importlib.util.find_spec("megatron.core").origin).parent
+    found = {"megatron." + ".".join(p.relative_to(root.parent).with_suffix("").parts)
+             for p in root.rglob("*.py") if cpu_compat.CUDA_TENSOR_CALL.search(
+                 p.read_text(errors="ignore"))}
+    gpu_only = ("inference", "fsdp", "nvshmem", "energy_monitor", "mimo")
+    expected = {m for m in found if not any(part in m for part in gpu_only)}
+    assert expected == set(cpu_compat.TORCH_TENSOR_CUDA_MODULES)
+
+
+HF_AFTER_SHIMS = """
+import sys, torch
+sys.path.insert(0, ".")
+from megatron_rl.models import cpu_compat
+cpu_compat.apply()
+from tests import conversion_cases as cc
+torch.save(cc.hf_logits(sys.argv[1], cc.tokens(512)), sys.argv[2])
+"""
+
+
+def test_transformers_unaffected_by_shims(tmp_path):
+    """A transformers model first used after the shims computes what it computes without them
+    (a global torch.tensor wrapper once changed Qwen3-MoE logits by ~1)."""
+    from tests import conversion_cases as cc
+
+    hf = tmp_path / "hf"
+    cc.save_random_hf("tiny-moe", str(hf))
+    ref = cc.hf_logits(str(hf), cc.tokens(512))
+    subprocess.run([sys.executable, "-c", HF_AFTER_SHIMS, str(hf), str(tmp_path / "l.pt")],
+                   check=True, capture_output=True)
+    got = torch.load(tmp_path / "l.pt", weights_only=True)
+    assert torch.equal(got, ref)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -80,19 +81,63 @@ def _is_cuda(d: object) -> bool:
     return isinstance(d, int) and not isinstance(d, bool)  # a bare ordinal means a CUDA device
 
 
-def _apply_devcuda() -> None:
-    def wrap(fn):
-        @functools.wraps(fn)
-        def w(*a, **k):
-            if _is_cuda(k.get("device")):
-                k["device"] = "cpu"
-            return fn(*a, **k)
-        return w
+def _cpu_device(fn):
+    @functools.wraps(fn)
+    def w(*a, **k):
+        if _is_cuda(k.get("device")):
+            k["device"] = "cpu"
+        return fn(*a, **k)
+    return w
 
-    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint",
+
+class _TorchWithCpuTensor(types.ModuleType):
+    """`torch`, except that `tensor(..., device="cuda")` lands on the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.tensor = _cpu_device(torch.tensor)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+# how megatron writes a CUDA-only torch.tensor call (tests re-scan megatron with it)
+CUDA_TENSOR_CALL = re.compile(r"torch\.tensor\((?:[^()]|\([^()]*\))*?device=['\"]cuda")
+# the modules on CPU training/checkpoint paths with such calls (GPU-only, inference and
+# FSDP modules left out); tests/test_cpu_compat.py checks this list against megatron
+TORCH_TENSOR_CUDA_MODULES = (
+    "megatron.core.fp8_utils",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.utils",
+    "megatron.core.pipeline_parallel.hybrid_cp_schedule",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.layer_wise_optimizer",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.models.hybrid.hybrid_block",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+)
+
+
+def _patch_torch_tensor_in_megatron() -> None:
+    """Replacing the global `torch.tensor` by a Python wrapper silently changes transformers'
+    results (Qwen3-MoE logits off by ~1 when its modules are imported after it), so only the
+    megatron modules that call torch.tensor(..., device="cuda") see a wrapped one."""
+    import importlib
+
+    for name in TORCH_TENSOR_CUDA_MODULES:
+        module = importlib.import_module(name)
+        if getattr(module, "torch", None) is torch:
+            module.torch = _TorchWithCpuTensor()
+
+
+def _apply_devcuda() -> None:
+    for name in ("zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint",
                  "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "eye",
                  "linspace", "randperm", "triu_indices"):
-        setattr(torch, name, wrap(getattr(torch, name)))
+        setattr(torch, name, _cpu_device(getattr(torch, name)))
+    _patch_torch_tensor_in_megatron()
     torch.Tensor.cuda = lambda self, *a, **k: self
     orig_to = torch.Tensor.to
 
