@@ -32,19 +32,6 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(fn, cfg, nproc: int):
-    """Run `fn(cfg)` SPMD: in-process under torchrun, else on a local gloo worker pool."""
-    if "RANK" in os.environ:  # started by torchrun: this process is one rank
-        from megatron_rl.distributed.process_groups import init_distributed
-
-        init_distributed(cfg.parallel.backend)
-        return fn(cfg)
-    from megatron_rl.distributed.worker_pool import WorkerPool
-
-    with WorkerPool(nproc) as pool:
-        return pool.run(fn, cfg, timeout=24 * 3600)[0]
-
-
 def _lm_train(args: argparse.Namespace) -> int:
     from megatron_rl.distributed.process_groups import min_world_size
     from megatron_rl.trainer.lm_loop import run_lm_training
@@ -54,7 +41,7 @@ def _lm_train(args: argparse.Namespace) -> int:
     print(f"[megatron-rl] {cfg.model.name}: tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"ep={cfg.parallel.ep} on {nproc} rank(s), {cfg.train.steps} steps", flush=True)
     t0 = time.time()
-    rows = _launch(run_lm_training, cfg, nproc)
+    rows = _launch(run_lm_training, nproc, cfg, backend=cfg.parallel.backend)[0]
     if rows:
         first, last = rows[0]["loss"], rows[-1]["loss"]
         print(f"[megatron-rl] loss {first:.3f} -> {last:.3f} over {len(rows)} steps "
@@ -73,7 +60,7 @@ def _convert_hf_to_megatron(args: argparse.Namespace) -> int:
     parallel = load_config(None, overrides).parallel if overrides else ParallelConfig()
     nproc = args.nproc or min_world_size(parallel)
     t0 = time.time()
-    results = _launch_job(import_hf, nproc, args.hf, args.out, args.model, overrides, args.dtype)
+    results = _launch(import_hf, nproc, args.hf, args.out, args.model, overrides, args.dtype)
     seconds = time.time() - t0
     size = sum(f.stat().st_size for f in Path(args.out).rglob("*") if f.is_file())
     worst = max(r["peak_rss_mb"] for r in results)
@@ -97,12 +84,13 @@ def _convert_megatron_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch_job(fn, nproc: int, *args):
-    """Run a module-level job on `nproc` local ranks (or on this rank under torchrun)."""
+def _launch(fn, nproc: int, *args, backend: str = "auto") -> list:
+    """Run `fn(*args)` SPMD: in this process under torchrun (one rank), else on `nproc` local
+    gloo ranks. Returns the per-rank results (just this rank's under torchrun)."""
     if "RANK" in os.environ:
         from megatron_rl.distributed.process_groups import init_distributed
 
-        init_distributed()
+        init_distributed(backend)
         return [fn(*args)]
     from megatron_rl.distributed.worker_pool import WorkerPool
 
