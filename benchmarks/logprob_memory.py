@@ -32,12 +32,14 @@ actor = MegatronActor(load_config(None, [f"model.name={spec}", f"model.seq_lengt
     "train.global_batch_size=1", "train.micro_batch_size=1",
     f"train.logprob_chunk_tokens={chunk or 1 << 30}"]))
 g = torch.Generator().manual_seed(0)
-batch = TokenBatch.from_sequences(torch.randint(0, actor.spec.vocab_size, (1, seq + 1), generator=g))
+tokens = torch.randint(0, actor.spec.vocab_size, (1, seq + 1), generator=g)
+batch = TokenBatch.from_sequences(tokens)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t0 = time.time()
 loss = actor.train_step(batch, lm_loss)["loss"]
-print(json.dumps({"chunk": chunk, "loss": loss, "seconds": time.time() - t0, "rss_before_mb": before,
-                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"chunk": chunk, "loss": loss, "seconds": time.time() - t0,
+                  "rss_before_mb": before, "peak_mb": peak}))
 """
 
 
@@ -56,8 +58,8 @@ def main() -> None:
                         "moe_ffn_hidden_size: 64\n")
         rows = []
         for chunk in a.chunks:
-            out = subprocess.run([sys.executable, "-c", CHILD, str(spec), str(a.seq), str(chunk)],
-                                 capture_output=True, text=True)
+            cmd = [sys.executable, "-c", CHILD, str(spec), str(a.seq), str(chunk)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
                 sys.exit(out.stderr[-2000:])
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
