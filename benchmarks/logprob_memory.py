@@ -65,7 +65,8 @@ def main() -> None:
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     logits_mb = a.seq * a.vocab * 4 / 1e6
     print(f"seq {a.seq}, vocab {a.vocab}: one fp32 logits tensor = {logits_mb:.0f} MB")
-    print(f"{'chunk tokens':>12s} {'step s':>7s} {'peak RSS':>9s} {'step growth':>12s} {'loss':>8s}")
+    header = ("chunk tokens", "step s", "peak RSS", "step growth", "loss")
+    print("{:>12s} {:>7s} {:>9s} {:>12s} {:>8s}".format(*header))
     for r in rows:
         growth = r["peak_mb"] - r["rss_before_mb"]
         print(f"{r['chunk'] or 'whole':>12} {r['seconds']:7.1f} {r['peak_mb']:7.0f}MB "
