@@ -23,3 +23,23 @@ def test_lm_train_command(tmp_path):
     assert (ckpt / "latest").read_text() == "step_000004"
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000002", "step_000004"]
     assert not list(ckpt.glob(".tmp-*"))
+
+
+def test_lm_train_under_torchrun(tmp_path):
+    """The same command as one rank per process when torchrun starts it (PP2 here)."""
+    import shutil
+    from pathlib import Path
+
+    from megatron_rl.distributed.process_groups import free_port
+
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    out_dir = tmp_path / "run"
+    cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()),
+           "-m", "megatron_rl.cli", "lm-train", "tiny-moe-cpu", "parallel.ep=1", "parallel.pp=2",
+           "train.steps=2", f"train.output_dir={out_dir}", "checkpoint.dir=null"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]  # written once, by rank 0
+    assert abs(rows[0]["loss"] - 6.25) < 0.1
