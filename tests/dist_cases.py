@@ -5,8 +5,6 @@ Kept apart from the test files so the spawned ranks import only this and the pac
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
@@ -89,13 +87,3 @@ def rank_of_failure(fail_rank: int) -> int:
     if dist.get_rank() == fail_rank:
         raise ValueError(f"deliberate failure on rank {fail_rank}")
     return dist.get_rank()
-
-
-def param_count(overrides: list[str] = ()) -> int:
-    actor = make_actor(list(overrides))
-    n = torch.tensor(sum(p.numel() for p in actor.parameters().values()))
-    return int(n)
-
-
-def file_exists(path: str) -> bool:
-    return Path(path).exists()

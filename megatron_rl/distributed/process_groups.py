@@ -64,18 +64,6 @@ class Layout:
     ep_rank: int
     dp_rank: int
 
-    @property
-    def is_first_stage(self) -> bool:
-        from megatron.core import parallel_state as ps
-
-        return ps.is_pipeline_first_stage()
-
-    @property
-    def is_last_stage(self) -> bool:
-        from megatron.core import parallel_state as ps
-
-        return ps.is_pipeline_last_stage()
-
 
 def min_world_size(parallel: ParallelConfig) -> int:
     """Fewest ranks that fit the layout: a multiple of tp*pp*cp whose DP*TP*CP holds EP*ETP."""
@@ -123,10 +111,3 @@ def init_model_parallel(parallel: ParallelConfig, seed: int) -> Layout:
                   pp_rank=ps.get_pipeline_model_parallel_rank(),
                   ep_rank=ps.get_expert_model_parallel_rank(),
                   dp_rank=ps.get_data_parallel_rank())
-
-
-def destroy_model_parallel() -> None:
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
