@@ -80,7 +80,7 @@ def import_hf(hf_dir: str, out_dir: str, model_name: str, parallel_overrides: li
     """SPMD job body: HF folder → model-only torch_dist checkpoint at `out_dir`."""
     import torch.distributed as dist
 
-    from megatron_rl.checkpoint.training_checkpoint import write_sharded
+    from megatron_rl.checkpoint.training_checkpoint import layout_info, write_sharded
     from megatron_rl.config.loader import load_config
     from megatron_rl.distributed.process_groups import init_model_parallel
     from megatron_rl.models.builder import build_gpt_model
@@ -98,11 +98,8 @@ def import_hf(hf_dir: str, out_dir: str, model_name: str, parallel_overrides: li
     module = build_gpt_model(spec, cfg.model, cfg.parallel, perform_initialization=False)
     filled = load_hf_weights(module, hf, wmap)
     out = Path(out_dir)
-    p = cfg.parallel
     info = {"step": 0, "model": spec.name, "contents": ["model"], "source": str(hf_dir),
-            "layout": {"world": layout.world_size, "tp": p.tp, "pp": p.pp, "ep": p.ep,
-                       "etp": p.etp, "cp": p.cp, "dp": layout.dp,
-                       "distributed_optimizer": int(p.distributed_optimizer)}}
+            "layout": layout_info(cfg.parallel, layout)}
     write_sharded({"model": module.sharded_state_dict()}, out.parent, out.name, info,
                   update_latest=False)
     return {"rank": dist.get_rank(), "tensors": filled, "seconds": time.time() - t0,

@@ -161,11 +161,15 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def layout_info(parallel, layout) -> dict[str, int]:
+    """The parallel layout a checkpoint was written at (RNG streams only fit the same one)."""
+    p = parallel
+    return {"world": layout.world_size, "tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.etp,
+            "cp": p.cp, "dp": layout.dp, "distributed_optimizer": int(p.distributed_optimizer)}
+
+
 def _layout(actor) -> dict[str, int]:
-    p = actor.cfg.parallel
-    return {"world": actor.layout.world_size, "tp": p.tp, "pp": p.pp, "ep": p.ep,
-            "etp": p.etp, "cp": p.cp, "dp": actor.layout.dp,
-            "distributed_optimizer": int(p.distributed_optimizer)}
+    return layout_info(actor.cfg.parallel, actor.layout)
 
 
 OPTIMIZER_METADATA = {

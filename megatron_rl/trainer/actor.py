@@ -100,39 +100,34 @@ class MegatronActor:
     def compute_logprobs(self, batch: TokenBatch, temperature: float = 1.0
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy of `batch.labels` for the whole batch, on every rank."""
-        for chunk in self.model:
-            chunk.eval()
-        local = batch.shard(self.layout.dp_rank, self.layout.dp)
-        outputs = self._schedule(local, lambda mb, out, non_loss_data=False: out,
-                                 forward_only=True, collect=True, temperature=temperature)
-        from megatron.core import parallel_state as ps
-
-        shard = torch.cat(outputs) if outputs else torch.empty(local.rows, local.seq_length, 2)
-        shard = self._from_last_stage(shard)
-        gathered = [torch.empty_like(shard) for _ in range(self.layout.dp)]
-        dist.all_gather(gathered, shard.contiguous(), group=ps.get_data_parallel_group())
-        full = torch.cat(gathered)
+        processor = logprob_output_processor(self.spec.vocab_size, temperature,
+                                             self.cfg.train.logprob_chunk_tokens)
+        full = self._forward_collect(batch, processor)
         return full[..., 0], full[..., 1]
 
     @torch.no_grad()
     def compute_logits(self, batch: TokenBatch) -> torch.Tensor:
         """Full-vocabulary logits [rows, seq, vocab] on every rank (for checks, not training:
         it materialises what `compute_logprobs` avoids)."""
+        return self._forward_collect(batch, partial(_gathered_logits,
+                                                    vocab=self.spec.vocab_size))
+
+    # -- internals ---------------------------------------------------------------------------
+    def _forward_collect(self, batch: TokenBatch, processor) -> torch.Tensor:
+        """Forward-only pass whose per-token outputs (from `processor`) come back for the
+        whole batch on every rank: last pipeline stage → all stages, DP shards gathered."""
         from megatron.core import parallel_state as ps
 
         for chunk in self.model:
             chunk.eval()
         local = batch.shard(self.layout.dp_rank, self.layout.dp)
         outputs = self._schedule(local, lambda mb, out, non_loss_data=False: out,
-                                 forward_only=True, collect=True,
-                                 processor=partial(_gathered_logits, vocab=self.spec.vocab_size))
-        shard = torch.cat(outputs) if outputs else None
-        shard = self._from_last_stage(shard)
+                                 forward_only=True, collect=True, processor=processor)
+        shard = self._from_last_stage(torch.cat(outputs) if outputs else None)
         gathered = [torch.empty_like(shard) for _ in range(self.layout.dp)]
         dist.all_gather(gathered, shard.contiguous(), group=ps.get_data_parallel_group())
         return torch.cat(gathered)
 
-    # -- internals ---------------------------------------------------------------------------
     def _forward_backward(self, batch: TokenBatch, loss_fn: LossFn, forward_only: bool
                           ) -> dict[str, float]:
         local = batch.shard(self.layout.dp_rank, self.layout.dp)
@@ -149,12 +144,12 @@ class MegatronActor:
         return self._reduce_metrics(per_mb)
 
     def _schedule(self, local: TokenBatch, loss_func, *, forward_only: bool, collect: bool,
-                  temperature: float = 1.0, processor=None) -> list[Any]:
+                  processor=None) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro = local.micro_batches(min(self.cfg.train.micro_batch_size, local.rows))
         processor = processor or logprob_output_processor(
-            self.spec.vocab_size, temperature, self.cfg.train.logprob_chunk_tokens)
+            self.spec.vocab_size, 1.0, self.cfg.train.logprob_chunk_tokens)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
