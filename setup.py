@@ -21,6 +21,8 @@ setup(
         "psutil",
         "tqdm",
         "matplotlib",
+        # rollout engines: HTTP client and the embedded server
+        "aiohttp>=3.9",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],

@@ -1,0 +1,309 @@
+"""`HttpEngine`: the one client for SGLang's HTTP API (SGLang servers and the embedded server).
+
+Request bodies follow SGLang 0.5.23's `io_struct` request structs field for field (pinned by
+tests/test_sglang_contract.py against the released source). Two SGLang facts shape the code:
+weight versions are strings on the wire (`weight_version: Optional[str]`), so the integer
+versions of the protocol are sent as `str(v)`; and `meta_info.weight_versions` gives
+`{version, start, end}` spans over the output tokens when the version changed mid-request,
+which `parse_generate_response` expands to one version per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import aiohttp
+import numpy as np
+import torch
+
+from megatron_rl.rollout.engines.base import (
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+)
+from megatron_rl.rollout.engines.tensors import (
+    FLATTENED,
+    dtype_name,
+    encode_safetensors,
+    encode_torch_ipc,
+    split_buckets,
+)
+
+TensorTransport = Literal["safetensors", "torch_ipc"]
+DEFAULT_GROUP = "weight_update_group"
+
+
+def build_generate_body(req: GenerateRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "rid": req.rid,
+        "input_ids": list(req.input_ids),
+        "sampling_params": req.sampling.to_sglang(),
+        "return_logprob": req.return_logprob,
+    }
+    if req.return_routed_experts:
+        body["return_routed_experts"] = True
+    return body
+
+
+def parse_version(v: Any, where: str) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise EngineError(f"{where}: weight_version {v!r} is not an integer (launch SGLang with "
+                          "--weight-version 0 and update with integer versions)",
+                          endpoint=where) from None
+
+
+def expand_weight_versions(meta: dict[str, Any], n_out: int) -> list[int]:
+    """One version per output token, from SGLang's spans (or the single current version)."""
+    spans = meta.get("weight_versions") or []
+    if not spans:
+        v = meta.get("weight_version")
+        return [] if v is None else [parse_version(v, "/generate")] * n_out
+    out: list[int] = []
+    for span in spans:
+        v = parse_version(span["version"], "/generate")
+        out.extend([v] * (int(span["end"]) - int(span["start"])))
+    if len(out) != n_out:
+        raise EngineError(f"/generate: weight_versions spans cover {len(out)} tokens, output has "
+                          f"{n_out}", endpoint="/generate")
+    return out
+
+
+def parse_generate_response(req: GenerateRequest, data: dict[str, Any],
+                            moe_layout: tuple[int, int] | None = None) -> GenerateResult:
+    meta = data.get("meta_info") or {}
+    triples = meta.get("output_token_logprobs") or []
+    output_ids = data.get("output_ids")
+    if output_ids is None:  # servers that omit output_ids still send ids in the logprob triples
+        output_ids = [int(t[1]) for t in triples]
+    output_ids = [int(t) for t in output_ids]
+    logprobs: list[float] = []
+    if req.return_logprob:
+        if len(triples) != len(output_ids) or any(int(t[1]) != i
+                                                  for t, i in zip(triples, output_ids)):
+            raise EngineError(f"/generate rid={req.rid}: output_token_logprobs do not match "
+                              "output_ids", endpoint="/generate")
+        logprobs = [float(t[0]) for t in triples]
+    fr = meta.get("finish_reason")
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    if kind not in ("stop", "length", "abort"):
+        raise EngineError(f"/generate rid={req.rid}: unexpected finish_reason {fr!r}",
+                          endpoint="/generate")
+    routed = None
+    if meta.get("routed_experts") is not None:
+        routed = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+        rows = max(len(req.input_ids) + len(output_ids) - 1, 0)
+        routed = routed.reshape(rows, *(moe_layout or (-1,))) if rows else routed
+    return GenerateResult(
+        rid=req.rid, output_ids=output_ids, output_logprobs=logprobs, finish_reason=kind,
+        weight_versions=expand_weight_versions(meta, len(output_ids)), routed_experts=routed,
+        prompt_tokens=int(meta.get("prompt_tokens", len(req.input_ids))),
+        text=data.get("text", "") or "", meta_info=meta)
+
+
+class HttpEngine:
+    """Async client for one server (or router) URL.
+
+    `tensor_transport` picks the `/update_weights_from_tensor` payload: "torch_ipc" is SGLang's
+    own (tensor handles; colocated only), "safetensors" sends values (the embedded engine).
+    `num_tp_payloads` is the number of serialized copies SGLang expects (its TP size).
+    `moe_layout=(num_layers, top_k)` shapes returned routed experts.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
+                 tensor_transport: TensorTransport = "safetensors", num_tp_payloads: int = 1,
+                 bucket_bytes: int = 256 << 20, flattened: bool = True,
+                 moe_layout: tuple[int, int] | None = None, weight_version: int = 0):
+        if tensor_transport not in ("safetensors", "torch_ipc"):
+            raise ValueError(f"tensor_transport={tensor_transport!r}: 'safetensors' or "
+                             "'torch_ipc'")
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.tensor_transport = tensor_transport
+        self.num_tp_payloads = num_tp_payloads
+        self.bucket_bytes = bucket_bytes
+        self.flattened = flattened
+        self.moe_layout = moe_layout
+        self._weight_version = weight_version
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def _client(self) -> aiohttp.ClientSession:
+        # a session belongs to one event loop; tests and scripts may run several in turn
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session = aiohttp.ClientSession()
+            self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> HttpEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def request(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
+                      *, timeout_s: float | None = None) -> Any:
+        """One call; returns parsed JSON (or text). Raises EngineError on any failure."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s,
+                                        sock_connect=self.connect_timeout_s)
+        where = f"{method} {self.url}{endpoint}"
+        try:
+            async with self._client().request(method, self.url + endpoint, json=body,
+                                              timeout=timeout) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise EngineError(f"{where} failed with HTTP {resp.status}: {text[:2000]}",
+                                      endpoint=endpoint, status=resp.status, body=text)
+                data: Any = text
+                if resp.content_type == "application/json" and text:
+                    data = await resp.json()
+        except TimeoutError:
+            raise EngineError(f"{where} timed out after {timeout.total:g}s",
+                              endpoint=endpoint) from None
+        except aiohttp.ClientError as e:
+            raise EngineError(f"{where} failed: {type(e).__name__}: {e}",
+                              endpoint=endpoint) from e
+        if isinstance(data, dict) and data.get("success") is False:
+            raise EngineError(f"{where} was refused: {data.get('message', data)}",
+                              endpoint=endpoint, status=200, body=text)
+        return data
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        data = await self.request("POST", "/generate", build_generate_body(req))
+        if not isinstance(data, dict):
+            raise EngineError(f"POST {self.url}/generate returned {data!r}", endpoint="/generate")
+        return parse_generate_response(req, data, self.moe_layout)
+
+    async def abort(self, rid: str) -> None:
+        await self.request("POST", "/abort_request", {"rid": rid})
+
+    async def pause_generation(self, mode: PauseMode = "retract") -> None:
+        await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self.request("POST", "/continue_generation", {})
+
+    async def chat(self, messages: list[dict[str, str]], *, max_tokens: int = 256,
+                   temperature: float = 0.0, seed: int | None = None) -> str:
+        """OpenAI-compatible chat (judge / summarizer use): the assistant's text."""
+        body: dict[str, Any] = {"model": "default", "messages": messages,
+                                "max_tokens": max_tokens, "temperature": temperature}
+        if seed is not None:
+            body["seed"] = seed
+        data = await self.request("POST", "/v1/chat/completions", body)
+        return data["choices"][0]["message"]["content"]
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def _serialize(self, bucket: list[tuple[str, torch.Tensor]]) -> list[str]:
+        if self.tensor_transport == "torch_ipc":
+            # one pickle per TP rank: each rank drops its own IPC references after loading
+            return [encode_torch_ipc(bucket, self.flattened) for _ in range(self.num_tp_payloads)]
+        return [encode_safetensors(bucket, self.flattened)] * self.num_tp_payloads
+
+    async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                                          weight_version: int) -> None:
+        """Send HF-named tensors in buckets; the version is set with the last bucket only, so
+        tokens generated between buckets keep the old version."""
+        buckets = list(split_buckets(named_tensors, self.bucket_bytes))
+        if not buckets:
+            await self.request("POST", "/update_weight_version",
+                               {"new_version": str(weight_version),
+                                "abort_all_requests": False})
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            body: dict[str, Any] = {"serialized_named_tensors": self._serialize(bucket),
+                                    "flush_cache": last, "abort_all_requests": False}
+            if self.flattened:
+                body["load_format"] = FLATTENED
+            if last:
+                body["weight_version"] = str(weight_version)
+            await self.request("POST", "/update_weights_from_tensor", body)
+        self._weight_version = weight_version
+
+    async def update_weights_from_disk(self, path: str, weight_version: int,
+                                       load_format: str | None = None) -> None:
+        body: dict[str, Any] = {"model_path": str(path), "weight_version": str(weight_version),
+                                "flush_cache": True, "abort_all_requests": False}
+        if load_format is not None:
+            body["load_format"] = load_format
+        await self.request("POST", "/update_weights_from_disk", body)
+        self._weight_version = weight_version
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int, *,
+                                        group_name: str = DEFAULT_GROUP,
+                                        backend: str = "nccl") -> None:
+        """Make the server's ranks join the trainer's broadcast group (rank 0 = trainer)."""
+        await self.request("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port,
+            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
+            "backend": backend})
+
+    async def update_weights_from_distributed(
+            self, names: list[str], dtypes: list[torch.dtype | str], shapes: list[list[int]],
+            weight_version: int | None = None, *, group_name: str = DEFAULT_GROUP,
+            flattened: bool = False, flush_cache: bool = True) -> None:
+        """Announce one broadcast; the call returns once the server has received it, so run
+        it concurrently with the caller's `torch.distributed.broadcast` from rank 0."""
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": [d if isinstance(d, str) else dtype_name(d) for d in dtypes],
+            "shapes": [list(s) for s in shapes], "group_name": group_name,
+            "flush_cache": flush_cache, "abort_all_requests": False}
+        if flattened:
+            body["load_format"] = FLATTENED
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        await self.request("POST", "/update_weights_from_distributed", body)
+        if weight_version is not None:
+            self._weight_version = weight_version
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
+        await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def get_weight_version(self) -> int:
+        """The server's current version (GET /model_info); also refreshes `weight_version`."""
+        info = await self.request("GET", "/model_info")
+        self._weight_version = parse_version(info.get("weight_version"), "/model_info")
+        return self._weight_version
+
+    # -- memory, cache, health -----------------------------------------------------------------
+
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        await self.request("POST", "/release_memory_occupation",
+                           {} if tags is None else {"tags": tags})
+
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        await self.request("POST", "/resume_memory_occupation",
+                           {} if tags is None else {"tags": tags})
+
+    async def flush_cache(self) -> None:
+        await self.request("POST", "/flush_cache")
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            await self.request("GET", "/health", timeout_s=timeout_s)
+        except EngineError:
+            return False
+        return True

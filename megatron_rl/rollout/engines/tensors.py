@@ -1,0 +1,133 @@
+"""Wire formats for `/update_weights_from_tensor`'s `serialized_named_tensors`.
+
+SGLang 0.5.23 (`MultiprocessingSerializer`, `weight_sync/tensor_bucket.py`): each entry (one per
+TP rank) is base64 of a `ForkingPickler` pickle of either a list of `(name, tensor)` pairs or,
+with `load_format="flattened_bucket"`, `{"flattened_tensor": uint8 tensor, "metadata": [...]}`
+whose metadata items carry `name, shape, dtype, start_idx, end_idx, numel`. Pickled tensors are
+*handles* (CUDA IPC / shared memory), so that format only works when trainer and server share
+a machine and GPU (the colocated path): `encode_torch_ipc`. The server unpickles with a
+`SafeUnpickler` allow-list, which admits `types.SimpleNamespace` for the metadata items.
+
+The embedded engine takes the same request shape with *values* instead of handles, since a
+handle cannot cross HTTP and unpickling network input is unsafe: each entry is base64 of a
+safetensors file, either the named tensors themselves or, flattened, one uint8
+`flattened_tensor` with the bucket metadata as JSON in the safetensors header
+(`encode_safetensors` / `decode_safetensors`).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Iterable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+FLATTENED = "flattened_bucket"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: SGLang resolves dtypes with getattr(torch, name)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[dict]]:
+    """One uint8 tensor plus per-tensor metadata, laid out as SGLang's FlattenedTensorBucket."""
+    if not named:
+        raise ValueError("cannot flatten an empty tensor bucket")
+    parts, meta, offset = [], [], 0
+    for name, t in named:
+        flat = t.detach().contiguous().flatten().view(torch.uint8)
+        parts.append(flat)
+        meta.append({"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                     "start_idx": offset, "end_idx": offset + flat.numel(),
+                     "numel": flat.numel()})
+        offset += flat.numel()
+    return torch.cat(parts), meta
+
+
+def unflatten_bucket(flat: torch.Tensor, meta: list[dict]) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for m in meta:
+        dtype = getattr(torch, m["dtype"])
+        out.append((m["name"], flat[m["start_idx"]:m["end_idx"]].view(dtype).reshape(m["shape"])))
+    return out
+
+
+def split_buckets(named: Iterable[tuple[str, torch.Tensor]],
+                  bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors into buckets of at most `bucket_bytes` (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def encode_safetensors(named: list[tuple[str, torch.Tensor]], flattened: bool) -> str:
+    from safetensors.torch import save
+
+    if flattened:
+        flat, meta = flatten_bucket(named)
+        data = save({"flattened_tensor": flat.cpu()},
+                    metadata={"format": FLATTENED, "metadata": json.dumps(meta)})
+    else:
+        tensors: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, t in named:
+            t = t.detach().cpu().contiguous()
+            # safetensors refuses tensors sharing storage (tied embeddings): copy the second
+            if t.untyped_storage().data_ptr() in seen:
+                t = t.clone()
+            seen.add(t.untyped_storage().data_ptr())
+            tensors[name] = t
+        data = save(tensors)
+    return base64.b64encode(data).decode("ascii")
+
+
+def decode_safetensors(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of encode_safetensors (flattened or not: the header says which)."""
+    from safetensors.torch import load
+
+    raw = base64.b64decode(payload, validate=True)
+    if raw[:1] == b"\x80":
+        raise ValueError("payload is a pickle (SGLang's torch-IPC format); this engine takes "
+                         "safetensors values (HttpEngine(tensor_transport='safetensors'))")
+    tensors = load(raw)
+    header_meta = _safetensors_metadata(raw)
+    if header_meta.get("format") == FLATTENED:
+        return unflatten_bucket(tensors["flattened_tensor"], json.loads(header_meta["metadata"]))
+    return list(tensors.items())
+
+
+def _safetensors_metadata(raw: bytes) -> dict[str, str]:
+    # the header is 8 bytes of little-endian length then JSON; __metadata__ holds our strings
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]).get("__metadata__", {}) or {}
+
+
+def encode_torch_ipc(named: list[tuple[str, torch.Tensor]], flattened: bool) -> str:
+    """SGLang's own format (MultiprocessingSerializer.serialize(..., output_str=True))."""
+    from torch.multiprocessing.reductions import ForkingPickler
+
+    if flattened:
+        flat, meta = flatten_bucket(named)
+        # SimpleNamespace is on SGLang's SafeUnpickler allow-list; its loader reads attributes
+        items = [SimpleNamespace(name=m["name"], shape=torch.Size(m["shape"]),
+                                 dtype=getattr(torch, m["dtype"]), start_idx=m["start_idx"],
+                                 end_idx=m["end_idx"], numel=m["numel"]) for m in meta]
+        obj: Any = {"flattened_tensor": flat, "metadata": items}
+    else:
+        obj = [(name, t.detach()) for name, t in named]
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
