@@ -301,9 +301,12 @@ class TypeChecker:
     know is accepted and reported in `unchecked`, so nothing passes silently unnoticed.
     """
 
-    def __init__(self, structs: dict[str, dict[str, Any]], aliases: dict[str, str] | None = None):
+    def __init__(self, structs: dict[str, dict[str, Any]], aliases: dict[str, str] | None = None,
+                 strict: bool = True):
         self.structs = structs
         self.aliases = aliases or {}
+        # strict: every key must be a field; else only where the struct rejects unknown keys
+        self.strict = strict
         self.unchecked: set[str] = set()
 
     def check(self, value: Any, annotation: str, where: str) -> list[str]:
@@ -364,26 +367,37 @@ class TypeChecker:
         results = [self._check(v, o, where) for o in options]
         if any(not r for r in results):
             return []
+        # report the one option of the value's own JSON kind, if there is exactly one
+        same_kind = [r for r in results if not (len(r) == 1 and r[0].startswith(
+            f"{where}: expected"))]
+        if len(same_kind) == 1:
+            return same_kind[0]
         return [f"{where}: {v!r} fits none of " + " | ".join(ast.unparse(o) for o in options)]
 
     def body_errors(self, body: dict[str, Any], struct: str, where: str = "") -> list[str]:
         spec = self.structs[struct]
         prefix = f"{where}." if where else ""
-        errs = [f"{struct}: unknown field '{prefix}{k}'" for k in body if k not in spec["fields"]]
+        errs = []
+        if self.strict or spec.get("rejects_unknown_keys"):
+            errs += [f"{struct}: unknown field '{prefix}{k}'" for k in body
+                     if k not in spec["fields"]]
         errs += [f"{struct}: required field '{prefix}{k}' missing"
                  for k, f in spec["fields"].items() if f["required"] and k not in body]
         for k, x in body.items():
             if k in spec["fields"]:
-                errs += self._check(x, spec["fields"][k]["type"], f"{struct}.{prefix}{k}")
+                errs += self.check(x, spec["fields"][k]["type"], f"{struct}.{prefix}{k}")
         return errs
 
 
 def validate_body(body: dict[str, Any], struct: str, structs: dict[str, dict[str, Any]],
-                  aliases: dict[str, str] | None = None) -> list[str]:
-    """Contract violations of `body` against `structs[struct]` (empty list = valid)."""
+                  aliases: dict[str, str] | None = None, strict: bool = True) -> list[str]:
+    """Contract violations of `body` against `structs[struct]` (empty list = valid).
+
+    strict=False follows each struct's own unknown-key policy (api/v1's JSON contract).
+    """
     if struct not in structs:
         return [f"{struct}: no such struct in the schema"]
-    return TypeChecker(structs, aliases).body_errors(body, struct)
+    return TypeChecker(structs, aliases, strict).body_errors(body, struct)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -117,7 +117,9 @@ def _safetensors_metadata(raw: bytes) -> dict[str, str]:
 
 def encode_torch_ipc(named: list[tuple[str, torch.Tensor]], flattened: bool) -> str:
     """SGLang's own format (MultiprocessingSerializer.serialize(..., output_str=True))."""
-    from torch.multiprocessing.reductions import ForkingPickler
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # registers the tensor reductions (as in SGLang)
 
     if flattened:
         flat, meta = flatten_bucket(named)
