@@ -39,6 +39,7 @@ from megatron_rl.rollout.engines.tensors import (
     decode_safetensors,
     encode_safetensors,
     encode_torch_ipc,
+    is_safetensors,
 )
 
 IO = load_fixture("io_struct")
@@ -239,7 +240,7 @@ def test_weight_payloads_use_sglangs_wire_format(captured: list) -> None:
     for body in bodies:
         assert len(body["serialized_named_tensors"]) == 2  # one per TP rank
         raw = base64.b64decode(body["serialized_named_tensors"][0])
-        if raw[:1] != b"\x80":
+        if is_safetensors(raw):
             got = decode_safetensors(body["serialized_named_tensors"][0])
         else:
             obj = AllowListUnpickler(io.BytesIO(raw), allowed).load()

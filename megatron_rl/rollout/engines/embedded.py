@@ -267,6 +267,7 @@ class EmbeddedCore:
         self.rids: set[str] = set()
         self.inbox: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.max_running = 0  # the largest batch decoded so far (a sign batching happened)
         self.weights = WeightLoader(model)
         self.thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
 
@@ -440,6 +441,7 @@ class EmbeddedCore:
             for layer, (k, v) in zip(cache.layers, new_layers):
                 layer.keys, layer.values = k, v
             self.batch, self.cache, self.mask = list(seqs), cache, mask
+            self.max_running = max(self.max_running, len(self.batch))
             return
         t_old, t_new = self.mask.shape[1], mask.shape[1]
         width = max(t_old, t_new)
@@ -456,6 +458,7 @@ class EmbeddedCore:
             layer.values = torch.cat([pad(layer.values, t_old, 2), pad(v, t_new, 2)], 0)
         self.mask = torch.cat([pad(self.mask, t_old, 1), pad(mask, t_new, 1)], 0)
         self.batch.extend(seqs)
+        self.max_running = max(self.max_running, len(self.batch))
 
     def _retire(self) -> None:
         """Drop finished rows and the left columns no remaining row uses."""
@@ -567,6 +570,7 @@ class EmbeddedCore:
         return {"weight_version": self.weight_version, "paused": self.paused,
                 "released": self.released, "max_batch_size": self.max_batch_size,
                 "running": {s.rid: len(s.out) for s in self.batch},
+                "max_running": self.max_running,
                 "waiting": [s.rid for s in self.pending],
                 "return_original_logprob": self.return_original_logprob,
                 "context_length": self.context_length}

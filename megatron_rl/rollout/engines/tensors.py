@@ -99,14 +99,24 @@ def decode_safetensors(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:
     from safetensors.torch import load
 
     raw = base64.b64decode(payload, validate=True)
-    if raw[:1] == b"\x80":
-        raise ValueError("payload is a pickle (SGLang's torch-IPC format); this engine takes "
-                         "safetensors values (HttpEngine(tensor_transport='safetensors'))")
+    if not is_safetensors(raw):
+        if raw[:1] == b"\x80":
+            raise ValueError("payload is a pickle (SGLang's torch-IPC format); this engine "
+                             "takes safetensors values (HttpEngine(tensor_transport="
+                             "'safetensors'))")
+        raise ValueError("payload is not a safetensors file")
     tensors = load(raw)
     header_meta = _safetensors_metadata(raw)
     if header_meta.get("format") == FLATTENED:
         return unflatten_bucket(tensors["flattened_tensor"], json.loads(header_meta["metadata"]))
     return list(tensors.items())
+
+
+def is_safetensors(raw: bytes) -> bool:
+    """8 bytes of little-endian header length, then a JSON header (a pickle starts 0x80 0x0N,
+    which a header length can too, so the JSON brace decides)."""
+    n = int.from_bytes(raw[:8], "little")
+    return len(raw) >= 8 + n and raw[8:9] == b"{"
 
 
 def _safetensors_metadata(raw: bytes) -> dict[str, str]:

@@ -1,0 +1,462 @@
+"""The embedded engine over real HTTP with a real (tiny, random) Qwen3-MoE, driven by HttpEngine.
+
+Numbers are checked against transformers itself: greedy ids against `model.generate`, returned
+log-probs against a full forward pass, weight updates against a reference model holding the
+new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.models.registry import get_model_spec
+from megatron_rl.rollout.engines.base import EngineError, GenerateRequest, SamplingParams
+from megatron_rl.rollout.engines.embedded import EmbeddedServer
+from megatron_rl.rollout.engines.http_client import HttpEngine
+from megatron_rl.rollout.engines.sglang_schema import TypeChecker, load_fixture
+from megatron_rl.rollout.engines.tensors import encode_safetensors
+
+PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [301, 4, 88], [12, 250, 251, 9, 10]]
+TOL = 1e-5
+
+SENTENCES = [
+    "the agent searches the web and reads the page",
+    "a judge compares the answer with the reference answer",
+    "system user assistant tool observation result",
+    "summarize the page in one short sentence please",
+]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{% endif %}")
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = get_model_spec("tiny-moe").hf_config()
+    return AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
+def tiny_tokenizer() -> Any:
+    """A WordLevel tokenizer trained here on a few sentences, with a ChatML template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(
+        special_tokens=["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                   eos_token="<|im_end|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def perturbed(model: torch.nn.Module, seed: int = 1, scale: float = 0.05) -> torch.nn.Module:
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return ref
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def greedy(max_new: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new, **kw)
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                         min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def full_logprobs(model: torch.nn.Module, prompt: list[int], out: list[int],
+                  temperature: float = 1.0) -> list[float]:
+    logits = model(torch.tensor([prompt + out])).logits[0].float() / temperature
+    lp = torch.log_softmax(logits, -1)
+    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def server(model: torch.nn.Module):
+    with EmbeddedServer(model, model_path="tiny-moe").start() as s:
+        yield s
+
+
+async def generate(url: str, *reqs: GenerateRequest, **kw: Any) -> list:
+    async with HttpEngine(url, **kw) as eng:
+        return list(await asyncio.gather(*(eng.generate(r) for r in reqs)))
+
+
+async def server_info(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.get(url + "/server_info") as r:
+        return await r.json()
+
+
+async def wait_running(url: str, rid: str, n: int) -> int:
+    for _ in range(2000):
+        got = (await server_info(url))["running"].get(rid, 0)
+        if got >= n:
+            return got
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{rid} never reached {n} tokens")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_greedy_matches_hf_generate_and_logprobs_match_a_full_forward(model, server) -> None:
+    reqs = [GenerateRequest(f"g{i}", p, greedy(24)) for i, p in enumerate(PROMPTS)]
+    for req, res in zip(reqs, run(generate(server.url, *reqs))):
+        assert res.output_ids == hf_greedy(model, req.input_ids, 24)
+        assert res.finish_reason == "length" and res.weight_versions == [0] * 24
+        # greedy log-probs are those of the raw logits (SGLang: temperature 1 when greedy)
+        assert max_diff(res.output_logprobs, full_logprobs(model, req.input_ids,
+                                                           res.output_ids)) < TOL
+
+
+def test_sampled_logprobs_follow_sglangs_temperature_convention(model, server) -> None:
+    for temp in (1.0, 0.7):
+        req = GenerateRequest("t", PROMPTS[0], SamplingParams(temperature=temp, seed=3,
+                                                              max_new_tokens=16))
+        (res,) = run(generate(server.url, req))
+        expected = full_logprobs(model, req.input_ids, res.output_ids, temperature=temp)
+        assert max_diff(res.output_logprobs, expected) < TOL
+    with EmbeddedServer(model, return_original_logprob=True).start() as raw:
+        (res,) = run(generate(raw.url, req))
+        assert max_diff(res.output_logprobs, full_logprobs(model, req.input_ids,
+                                                           res.output_ids)) < TOL
+
+
+def test_seeded_sampling_is_reproducible(server) -> None:
+    def sample(seed: int | None, rid: str, **kw: Any) -> list[int]:
+        req = GenerateRequest(rid, PROMPTS[1], SamplingParams(seed=seed, max_new_tokens=20, **kw))
+        return run(generate(server.url, req))[0].output_ids
+
+    assert sample(7, "s1") == sample(7, "s2")
+    assert sample(7, "s3") != sample(8, "s4")
+    # top_k=1 and a vanishing top_p both leave only the argmax
+    top = run(generate(server.url, GenerateRequest("s5", PROMPTS[1], greedy(20))))[0].output_ids
+    assert sample(None, "s6", top_k=1) == top
+    assert sample(None, "s7", top_p=1e-6) == top
+
+
+def test_concurrent_requests_match_their_sequential_results(server) -> None:
+    # different prompt and output lengths: rows join and leave the batch at different steps
+    reqs = [GenerateRequest(f"c{i}", PROMPTS[i % 3][: 3 + i % 4],
+                            SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i,
+                                           max_new_tokens=6 + 5 * i))
+            for i in range(6)]
+    sequential = [run(generate(server.url, r))[0] for r in reqs]
+    together = run(generate(server.url, *[dataclasses.replace(r, rid=r.rid + "x") for r in reqs]))
+    for a, b in zip(sequential, together):
+        assert a.output_ids == b.output_ids
+        assert max_diff(a.output_logprobs, b.output_logprobs) < TOL
+    assert run(server_info(server.url))["max_running"] > 1  # they really were batched
+
+
+def test_stop_tokens_and_min_new_tokens(model, server) -> None:
+    ref = hf_greedy(model, PROMPTS[0], 30)
+    stop = ref[5]
+    first = ref.index(stop)
+    (res,) = run(generate(server.url, GenerateRequest("st", PROMPTS[0],
+                                                      greedy(30, stop_token_ids=[stop]))))
+    assert res.output_ids == ref[: first + 1]  # the matched stop token is part of the output
+    assert res.finish_reason == "stop" and res.meta_info["finish_reason"]["matched"] == stop
+    later = [i for i, t in enumerate(ref) if t == stop and i >= 8]
+    (res,) = run(generate(server.url, GenerateRequest(
+        "mn", PROMPTS[0], greedy(30, stop_token_ids=[stop], min_new_tokens=8))))
+    assert len(res.output_ids) == (later[0] + 1 if later else 30)
+    assert stop not in res.output_ids[:8]
+
+
+def test_abort_returns_the_partial_output_and_resuming_continues_it(model, server) -> None:
+    ref = hf_greedy(model, PROMPTS[2], 60)
+
+    async def scenario() -> tuple:
+        async with HttpEngine(server.url) as eng:
+            task = asyncio.create_task(eng.generate(GenerateRequest("ab", PROMPTS[2],
+                                                                    greedy(5000))))
+            await wait_running(server.url, "ab", 4)
+            await eng.abort("ab")
+            partial = await task
+            await eng.abort("no-such-rid")  # unknown ids are fine, as in SGLang
+            done = len(partial.output_ids)
+            rest = await eng.generate(GenerateRequest("ab2", PROMPTS[2] + partial.output_ids,
+                                                      greedy(60 - done)))
+            return partial, rest
+
+    partial, rest = run(scenario())
+    assert partial.finish_reason == "abort"
+    assert 4 <= len(partial.output_ids) < 60
+    assert len(partial.output_logprobs) == len(partial.weight_versions) == len(partial.output_ids)
+    assert partial.output_ids + rest.output_ids == ref  # resumed from the committed prefix
+
+
+def test_pause_holds_requests_and_continue_finishes_them(model, server) -> None:
+    ref = hf_greedy(model, PROMPTS[0], 80)
+
+    async def scenario(mode: str) -> tuple:
+        async with HttpEngine(server.url) as eng:
+            task = asyncio.create_task(eng.generate(GenerateRequest(f"p-{mode}", PROMPTS[0],
+                                                                    greedy(80))))
+            await wait_running(server.url, f"p-{mode}", 3)
+            await eng.pause_generation(mode)
+            late = asyncio.create_task(eng.generate(GenerateRequest(f"late-{mode}", PROMPTS[0],
+                                                                    greedy(5))))
+            first = await server_info(server.url)
+            await asyncio.sleep(0.3)
+            second = await server_info(server.url)
+            await eng.continue_generation()
+            return first, second, await task, await late
+
+    first, second, held, late = run(scenario("in_place"))
+    assert first["paused"] and first["running"] == second["running"]  # no decode while paused
+    assert "late-in_place" in second["waiting"]
+    assert held.output_ids == ref and late.output_ids == ref[:5]
+    first, second, held, _ = run(scenario("retract"))
+    assert first["running"] == {} and "p-retract" in first["waiting"]
+    assert held.output_ids == ref  # recomputed from prompt + output after continue
+    first, _, held, late = run(scenario("abort"))
+    assert held.finish_reason == "abort" and held.output_ids == ref[: len(held.output_ids)]
+    assert late.output_ids == ref[:5]
+
+
+def checkpoint_tensors(model: torch.nn.Module, path: Path) -> list[tuple[str, torch.Tensor]]:
+    """The HF checkpoint names (per-expert tensors, as SGLang and the trainer use them)."""
+    model.save_pretrained(path)
+    return list(load_file(path / "model.safetensors").items())
+
+
+def test_weight_update_from_tensors_gives_the_new_models_numbers(model, tmp_path) -> None:
+    ref = perturbed(model)
+    named = checkpoint_tensors(ref, tmp_path / "new")
+    assert any(".experts.0.gate_proj.weight" in n for n, _ in named)
+    with EmbeddedServer(copy.deepcopy(model)).start() as srv:
+        async def scenario() -> tuple:
+            # small buckets: the update spans many requests; the version moves with the last
+            async with HttpEngine(srv.url, bucket_bytes=64 << 10) as eng:
+                before = await eng.generate(GenerateRequest("w0", PROMPTS[0], greedy(12)))
+                await eng.update_weights_from_tensors(named, weight_version=1)
+                after = await eng.generate(GenerateRequest("w1", PROMPTS[0], greedy(12)))
+                version = await eng.get_weight_version()
+                await eng.update_weights_from_disk(str(tmp_path / "old"), weight_version=2)
+                back = await eng.generate(GenerateRequest("w2", PROMPTS[0], greedy(12)))
+                return before, after, version, back
+
+        model.save_pretrained(tmp_path / "old")
+        before, after, version, back = run(scenario())
+    assert before.weight_versions == [0] * 12 and after.weight_versions == [1] * 12
+    assert version == 1
+    assert after.output_ids == hf_greedy(ref, PROMPTS[0], 12) != before.output_ids
+    assert max_diff(after.output_logprobs, full_logprobs(ref, PROMPTS[0], after.output_ids)) < TOL
+    assert back.output_ids == before.output_ids and back.weight_versions == [2] * 12
+    assert max_diff(back.output_logprobs, before.output_logprobs) < TOL
+
+
+def test_weight_update_mid_generation_is_recorded_per_token(model, tmp_path) -> None:
+    named = checkpoint_tensors(perturbed(model), tmp_path)
+    with EmbeddedServer(copy.deepcopy(model)).start() as srv:
+        async def scenario() -> Any:
+            async with HttpEngine(srv.url) as eng:
+                task = asyncio.create_task(eng.generate(GenerateRequest("mid", PROMPTS[1],
+                                                                        greedy(400))))
+                await wait_running(srv.url, "mid", 5)
+                await eng.update_weights_from_tensors(named, weight_version=7)
+                return await task
+
+        res = run(scenario())
+    switch = res.weight_versions.index(7)
+    assert switch >= 5 and res.weight_versions == [0] * switch + [7] * (400 - switch)
+    assert [s["version"] for s in res.meta_info["weight_versions"]] == ["0", "7"]
+
+
+def test_bad_tensors_are_rejected_by_name_and_the_old_weights_stay(model, tmp_path) -> None:
+    good = checkpoint_tensors(perturbed(model), tmp_path)
+    with EmbeddedServer(copy.deepcopy(model)).start() as srv:
+        async def scenario() -> tuple:
+            async with HttpEngine(srv.url) as eng:
+                before = await eng.generate(GenerateRequest("b0", PROMPTS[0], greedy(10)))
+                with pytest.raises(EngineError, match=r"HTTP 400.*unknown tensor "
+                                   r"'model.layers.0.mlp.experts.9.gate_proj.weight'") as e1:
+                    await eng.update_weights_from_tensors(
+                        [*good[:3], ("model.layers.0.mlp.experts.9.gate_proj.weight",
+                                     torch.zeros(64, 64))], weight_version=1)
+                bad_shape = ("model.layers.1.self_attn.k_proj.weight", torch.zeros(64, 64))
+                with pytest.raises(EngineError, match=r"tensor 'model.layers.1.self_attn.k_proj"
+                                   r".weight': expected shape \[32, 64\] but found \[64, 64\]"):
+                    await eng.update_weights_from_tensors([*good, bad_shape], weight_version=1)
+                with pytest.raises(EngineError, match="weight_version"):
+                    await eng.request("POST", "/update_weights_from_tensor", {
+                        "serialized_named_tensors": [encode_safetensors(good[:1], True)],
+                        "weight_version": "v1"})
+                with pytest.raises(EngineError, match="payload is not a safetensors file"):
+                    await eng.request("POST", "/update_weights_from_tensor", {
+                        "serialized_named_tensors": ["AAAA"]})
+                after = await eng.generate(GenerateRequest("b1", PROMPTS[0], greedy(10)))
+                return e1.value, before, after
+
+        err, before, after = run(scenario())
+    assert err.status == 400 and err.endpoint == "/update_weights_from_tensor"
+    assert after.output_ids == before.output_ids and after.weight_versions == [0] * 10
+    assert max_diff(after.output_logprobs, before.output_logprobs) == 0.0
+
+
+def test_update_from_an_incomplete_disk_checkpoint_is_refused(model, tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    named = dict(checkpoint_tensors(model, tmp_path / "full"))
+    (tmp_path / "part").mkdir()
+    save_file({k: v for k, v in named.items() if "layers.1." not in k},
+              tmp_path / "part" / "model.safetensors")
+    with EmbeddedServer(copy.deepcopy(model)).start() as srv:
+        async def scenario() -> None:
+            async with HttpEngine(srv.url) as eng:
+                with pytest.raises(EngineError, match=r"leaves \d+ weights unset, e.g. "
+                                                      r"'model.layers.1"):
+                    await eng.update_weights_from_disk(str(tmp_path / "part"), 1)
+                with pytest.raises(EngineError, match="no \\*.safetensors files"):
+                    await eng.update_weights_from_disk(str(tmp_path / "nothing"), 1)
+                assert await eng.get_weight_version() == 0
+
+        run(scenario())
+
+
+def test_release_refuses_generation_until_resume(server) -> None:
+    async def scenario() -> Any:
+        async with HttpEngine(server.url) as eng:
+            await eng.release_memory()
+            with pytest.raises(EngineError, match=r"HTTP 503.*memory is released"):
+                await eng.generate(GenerateRequest("r0", PROMPTS[0], greedy(3)))
+            assert await eng.health()
+            await eng.resume_memory()
+            await eng.flush_cache()
+            return await eng.generate(GenerateRequest("r1", PROMPTS[0], greedy(3)))
+
+    assert run(scenario()).finish_reason == "length"
+
+
+def test_routed_experts_are_the_routers_top_k(model, server) -> None:
+    req = GenerateRequest("re", PROMPTS[1], greedy(6), return_routed_experts=True)
+    (res,) = run(generate(server.url, req, moe_layout=(2, 2)))
+    fed = PROMPTS[1] + res.output_ids[:-1]
+    assert res.routed_experts.shape == (len(fed), 2, 2)
+    with torch.no_grad():
+        logits = model(torch.tensor([fed]), output_router_logits=True).router_logits
+    expected = np.stack([torch.topk(r, 2, -1).indices.numpy() for r in logits], axis=1)
+    assert np.array_equal(np.sort(res.routed_experts, -1), np.sort(expected, -1))
+
+
+def test_malformed_requests_get_400_naming_the_field(server) -> None:
+    cases = [
+        ({"rid": "m", "sampling_params": {}}, "input_ids: required"),
+        ({"input_ids": "1 2 3"}, "input_ids: expected a non-empty list of token ids"),
+        ({"input_ids": [1, 2.5]}, "input_ids: expected a non-empty list"),
+        ({"input_ids": [1, 99999]}, "input_ids: token id 99999 is outside the vocabulary"),
+        ({"input_ids": [1], "sampling_params": {"temperature": "hot"}},
+         "sampling_params.temperature: expected float"),
+        ({"input_ids": [1], "sampling_params": {"seed": 1}},
+         "sampling_params.seed: not supported"),
+        ({"input_ids": [1], "rid": 5}, "rid: expected a string"),
+        ({"input_ids": [1], "stream": True}, "stream: streaming is not supported"),
+        ([1, 2], "request body: expected a JSON object"),
+    ]
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as s:
+            for body, message in cases:
+                async with s.post(server.url + "/generate", json=body) as r:
+                    assert r.status == 400, body
+                    assert message in (await r.json())["error"]["message"], body
+            async with s.post(server.url + "/generate", data=b"{not json") as r:
+                assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+
+    run(scenario())
+
+
+def test_responses_fit_sglangs_api_v1_contract(server) -> None:
+    api = load_fixture("server")["api_v1"]
+    checker = TypeChecker(api["structs"], api["aliases"], strict=False)
+
+    async def scenario() -> dict:
+        body = {"rid": "c", "input_ids": PROMPTS[0], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        async with aiohttp.ClientSession() as s, s.post(server.url + "/generate", json=body) as r:
+            return await r.json()
+
+    data = run(scenario())
+    assert checker.body_errors(data, "GenerateResponse") == []
+    assert checker.body_errors(data["meta_info"], "GenerateMetaInfo") == []
+    assert set(data["meta_info"]) >= {"id", "finish_reason", "output_token_logprobs",
+                                      "weight_version", "prompt_tokens", "completion_tokens"}
+
+
+def test_chat_completions_serve_as_a_judge(model) -> None:
+    tok = tiny_tokenizer()
+    messages = [{"role": "system", "content": "the judge compares the answer"},
+                {"role": "user", "content": "summarize the page please"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    expected = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    with EmbeddedServer(model, tok).start() as srv:
+        async def scenario() -> tuple:
+            async with HttpEngine(srv.url) as eng:
+                text = await eng.chat(messages, max_tokens=8)
+            from openai import AsyncOpenAI
+
+            client = AsyncOpenAI(base_url=srv.url + "/v1", api_key="none")
+            resp = await client.chat.completions.create(model="judge", messages=messages,
+                                                        max_tokens=8, temperature=0)
+            await client.close()
+            return text, resp
+
+        text, resp = run(scenario())
+    assert text == expected and isinstance(text, str)
+    assert resp.choices[0].message.content == expected
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_cli_serves_a_model_directory(model, tmp_path) -> None:
+    model.save_pretrained(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.rollout.engines.embedded",
+                             "--model", str(tmp_path), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:")
+        (res,) = run(generate(url, GenerateRequest("cli", PROMPTS[0], greedy(8))))
+        assert res.output_ids == hf_greedy(model, PROMPTS[0], 8)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
