@@ -606,6 +606,11 @@ async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse
         return await handler(request)
     except BadRequest as e:
         return _error(str(e), e.status)
+    except web.HTTPException:
+        raise
+    except Exception as e:  # a model or engine failure: say what it was, not just "500"
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(f"{type(e).__name__}: {e}", 500)
 
 
 class EmbeddedServer:
@@ -855,8 +860,14 @@ class EmbeddedServer:
         except (ValueError, KeyError, json.JSONDecodeError) as e:
             raise BadRequest(f"serialized_named_tensors: {e}") from None
         version = body.get("weight_version")
+        await self._abort_all_if_asked(body)
         await self._call(lambda: self.core.load_weights(named, version))
         return web.json_response({"success": True, "message": "Succeeded to update weights."})
+
+    async def _abort_all_if_asked(self, body: dict[str, Any]) -> None:
+        if body.get("abort_all_requests"):
+            await self._call(lambda: self.core.abort(None, abort_all=True,
+                                                     message="Aborted for a weight update"))
 
     async def _update_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -868,6 +879,7 @@ class EmbeddedServer:
         named = await asyncio.get_running_loop().run_in_executor(None, _read_safetensors_dir,
                                                                  Path(path))
         version = body.get("weight_version")
+        await self._abort_all_if_asked(body)
         await self._call(lambda: self.core.load_weights(named, version, require_complete=True))
         self.model_path = path
         return web.json_response({"success": True, "message": "Succeeded to update weights.",
