@@ -460,3 +460,35 @@ def test_cli_serves_a_model_directory(model, tmp_path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_model_failure_fails_its_requests_not_the_server(model) -> None:
+    with EmbeddedServer(model).start() as srv:
+        forward = srv.core._forward
+
+        def broken(*args: Any, **kw: Any) -> Any:
+            raise RuntimeError("simulated kernel failure")
+
+        srv.core._forward = broken
+        with pytest.raises(EngineError, match=r"HTTP 500.*RuntimeError: simulated kernel failure"):
+            run(generate(srv.url, GenerateRequest("f0", PROMPTS[0], greedy(4))))
+        srv.core._forward = forward
+        (res,) = run(generate(srv.url, GenerateRequest("f1", PROMPTS[0], greedy(4))))
+        assert res.output_ids == hf_greedy(model, PROMPTS[0], 4)
+
+
+def test_aborting_a_waiting_request_returns_it_empty(server) -> None:
+    async def scenario() -> Any:
+        async with HttpEngine(server.url, moe_layout=(2, 2)) as eng:
+            await eng.pause_generation("in_place")
+            task = asyncio.create_task(eng.generate(GenerateRequest(
+                "w", PROMPTS[0], greedy(4), return_routed_experts=True)))
+            while "w" not in (await server_info(server.url))["waiting"]:
+                await asyncio.sleep(0.01)
+            await eng.abort("w")
+            await eng.continue_generation()
+            return await task
+
+    res = run(scenario())
+    assert (res.finish_reason, res.output_ids, res.weight_versions) == ("abort", [], [])
+    assert res.routed_experts.shape == (0, 2, 2)

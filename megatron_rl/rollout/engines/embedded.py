@@ -268,6 +268,7 @@ class EmbeddedCore:
         self.inbox: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.max_running = 0  # the largest batch decoded so far (a sign batching happened)
+        self.admitting: list[Seq] = []  # taken from pending, not yet in the batch
         self.weights = WeightLoader(model)
         self.thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
 
@@ -340,11 +341,12 @@ class EmbeddedCore:
                 self._fail_all(e)
 
     def _fail_all(self, e: BaseException) -> None:
-        for s in [*self.batch, *self.pending]:
+        for s in [*self.admitting, *self.batch, *self.pending]:
             self.rids.discard(s.rid)
             if not s.future.done():
                 s.future.set_exception(e)
         self.batch, self.pending, self.cache, self.mask = [], collections.deque(), None, None
+        self.admitting = []
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any,
                  routed: bool) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
@@ -361,7 +363,7 @@ class EmbeddedCore:
     def _admit(self) -> None:
         from transformers import DynamicCache
 
-        group: list[Seq] = []
+        group = self.admitting = []
         while self.pending and len(self.batch) + len(group) < self.max_batch_size:
             group.append(self.pending.popleft())
         # a retracted request comes back with its output so far: prefill prompt + output
@@ -381,6 +383,7 @@ class EmbeddedCore:
         self._sample(group, logits)
         keep = [i for i, s in enumerate(group) if s.finish is None]
         self._merge([group[i] for i in keep], cache, mask, keep)
+        self.admitting = []
 
     def _decode(self) -> None:
         ids = torch.tensor([[s.out[-1]] for s in self.batch])

@@ -97,8 +97,11 @@ def parse_generate_response(req: GenerateRequest, data: dict[str, Any],
     routed = None
     if meta.get("routed_experts") is not None:
         routed = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
-        rows = max(len(req.input_ids) + len(output_ids) - 1, 0)
-        routed = routed.reshape(rows, *(moe_layout or (-1,))) if rows else routed
+        if routed.size == 0:  # nothing was fed (aborted before it started)
+            routed = routed.reshape(0, *(moe_layout or (0,)))
+        else:
+            rows = len(req.input_ids) + len(output_ids) - 1
+            routed = routed.reshape(rows, *(moe_layout or (-1,)))
     return GenerateResult(
         rid=req.rid, output_ids=output_ids, output_logprobs=logprobs, finish_reason=kind,
         weight_versions=expand_weight_versions(meta, len(output_ids)), routed_experts=routed,
@@ -224,14 +227,10 @@ class HttpEngine:
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                                           weight_version: int) -> None:
         """Send HF-named tensors in buckets; the version is set with the last bucket only, so
-        tokens generated between buckets keep the old version."""
-        buckets = list(split_buckets(named_tensors, self.bucket_bytes))
-        if not buckets:
-            await self.request("POST", "/update_weight_version",
-                               {"new_version": str(weight_version),
-                                "abort_all_requests": False})
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
+        tokens generated between buckets keep the old version. `named_tensors` is consumed
+        lazily (e.g. a generator gathering from the trainer): at most two buckets are held."""
+
+        async def send(bucket: list[tuple[str, torch.Tensor]], last: bool) -> None:
             body: dict[str, Any] = {"serialized_named_tensors": self._serialize(bucket),
                                     "flush_cache": last, "abort_all_requests": False}
             if self.flattened:
@@ -239,6 +238,18 @@ class HttpEngine:
             if last:
                 body["weight_version"] = str(weight_version)
             await self.request("POST", "/update_weights_from_tensor", body)
+
+        held: list[tuple[str, torch.Tensor]] | None = None
+        for bucket in split_buckets(named_tensors, self.bucket_bytes):
+            if held is not None:
+                await send(held, last=False)
+            held = bucket
+        if held is None:  # no tensors: only the version moves
+            await self.request("POST", "/update_weight_version",
+                               {"new_version": str(weight_version),
+                                "abort_all_requests": False})
+        else:
+            await send(held, last=True)
         self._weight_version = weight_version
 
     async def update_weights_from_disk(self, path: str, weight_version: int,
