@@ -19,7 +19,11 @@ LAYOUTS = {
     "tiny-moe": {"tp2-sp": ["parallel.tp=2"], "ep2": ["parallel.ep=2"], "pp2": ["parallel.pp=2"]},
     "tiny-dense": {"tp2-sp": ["parallel.tp=2"], "tp2": ["parallel.tp=2", "parallel.sp=false"],
                    "pp2": ["parallel.pp=2"]},
+    "tiny-qwen3.5": {"tp2-sp": ["parallel.tp=2"], "ep2": ["parallel.ep=2"],
+                     "pp2": ["parallel.pp=2"]},
 }
+ARCHITECTURES = {"tiny-moe": "Qwen3MoeForCausalLM", "tiny-dense": "Qwen3ForCausalLM",
+                 "tiny-qwen3.5": "Qwen3_5MoeForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +70,7 @@ def test_round_trip_is_bit_exact_and_reloads(model, converted, tmp_path):
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
     config = json.loads((back / "config.json").read_text())
-    assert config["architectures"] == [{"tiny-moe": "Qwen3MoeForCausalLM",
-                                        "tiny-dense": "Qwen3ForCausalLM"}[model]]
+    assert config["architectures"] == [ARCHITECTURES[model]]
     assert (back / "generation_config.json").is_file()
     assert report["tensors"] == len(original)
     generated = get_pool(1).run(cc.hf_generates, str(back))[0]
@@ -153,13 +156,38 @@ def test_incomplete_shard_set(converted, tmp_path):
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
+    import dataclasses
+
     from megatron_rl.checkpoint.errors import WeightMapError
     from megatron_rl.checkpoint.weight_map import WeightMap
     from megatron_rl.models.registry import get_model_spec
 
+    llama = dataclasses.replace(get_model_spec("tiny-dense"), architecture="llama")
     with pytest.raises(WeightMapError, match="no HF⇄Megatron weight map for architecture "
-                                             "'qwen3_5_moe'"):
-        WeightMap(get_model_spec("qwen3.5-35b-a3b"))
+                                             "'llama'"):
+        WeightMap(llama)
+
+
+def test_vl_checkpoint_imports_its_text_part(converted, tmp_path):
+    """Qwen3.5 ships as a VL model: text weights under model.language_model.*, a vision tower
+    beside them. Import keeps the text policy and gives the text model's logits."""
+    from safetensors.torch import load_file, save_file
+
+    _, hf, _, ids, ref = converted["tiny-qwen3.5"]
+    vl = tmp_path / "vl"
+    vl.mkdir()
+    text = load_file(str(hf / "model.safetensors"))
+    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in text.items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3)
+    save_file(tensors, str(vl / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hf / "config.json").read_text())
+    (vl / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "text_config": config}))
+    mcore = tmp_path / "mcore"
+    get_pool(1).run(cc.import_hf, str(vl), str(mcore), "tiny-qwen3.5", [])
+    got = get_pool(1).run(cc.megatron_logits, "tiny-qwen3.5", str(mcore), [], ids)[0]
+    assert (got - ref).abs().max().item() <= TOL
 
 
 def test_cli_converters(converted, tmp_path):

@@ -51,16 +51,15 @@ def load_hf_weights(module: torch.nn.Module, hf: HFCheckpoint, wmap: WeightMap) 
     Megatron's sharding metadata says which (layer, expert) and which TP slice each local
     parameter holds; the weight map supplies the canonical tensor, the metadata cuts it.
     """
-    filled, cache_key, canonical = 0, None, None
+    filled, cache_key, canonical = 0, None, []
     for sh in _model_tensors(module.sharded_state_dict()):
         stack = sh.prepend_axis_num
-        index = tuple(sh.global_offset[:stack])
-        entry = wmap.entry(sh.key)
-        if (sh.key, index) != cache_key:  # swiglu halves share one canonical tensor
+        entry, index, position = wmap.locate(sh.key, tuple(sh.global_offset[:stack]))
+        if (entry.keys, index) != cache_key:  # swiglu halves / GDN sections share one read
             canonical = wmap.to_megatron(entry, index, hf.get)
-            cache_key = (sh.key, index)
+            cache_key = (entry.keys, index)
         full_shape = tuple(sh.global_shape[stack:])
-        source = canonical
+        source = canonical[position]
         if source.shape != full_shape:
             if not sh.allow_shape_mismatch:
                 raise HFCheckpointError(f"{sh.key}{list(index)}: HF gives {list(source.shape)}, "
@@ -138,11 +137,12 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str, tokenizer_dir: str |
     metadata = read_metadata(src)
     model_keys = {k for k in metadata if k.startswith(("embedding.", "decoder.", "output_layer."))
                   and "_extra_state" not in k}
-    unknown = sorted(model_keys - set(wmap.entries))
+    expected = wmap.all_checkpoint_keys()
+    unknown = sorted(model_keys - expected)
     if unknown:
         raise WeightMapError(f"{src}: tensor '{unknown[0]}' is not in the weight map of "
                              f"'{spec.name}'")
-    absent = sorted(set(wmap.entries) - model_keys)
+    absent = sorted(expected - model_keys)
     if absent:
         raise WeightMapError(f"{src}: tensor '{absent[0]}' is missing from the checkpoint")
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[dtype]
@@ -154,24 +154,29 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str, tokenizer_dir: str |
     # one read per layer (all its keys; routed experts come as one [experts, ...] block)
     groups: dict[Any, list] = {}
     for entry, index in units:
-        groups.setdefault(index[:1] if index else entry.key, []).append((entry, index))
+        groups.setdefault(index[:1] if index else entry.keys, []).append((entry, index))
     for group in groups.values():
         regions = {}
         for entry, index in group:
-            shape = tuple(metadata[entry.key].size)
-            if entry.stack:  # this layer only
-                regions[entry.key] = ((index[0],) + (0,) * (len(shape) - 1), (1, *shape[1:]))
-            else:
-                regions[entry.key] = ((0,) * len(shape), shape)
+            layer_axis = wmap.has_layer_axis(entry)
+            for key in wmap.checkpoint_keys(entry, index):
+                shape = tuple(metadata[key].size)
+                if layer_axis:  # this layer only
+                    regions[key] = ((index[0],) + (0,) * (len(shape) - 1), (1, *shape[1:]))
+                else:
+                    regions[key] = ((0,) * len(shape), shape)
         loaded = read_regions(src, regions, metadata)
         for entry, index in group:
-            tensor = loaded[entry.key]
-            tensor = tensor[0] if entry.stack else tensor
-            if entry.stack == 2:
-                tensor = tensor[index[1]]  # this expert
-            if entry.key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                tensor = tensor[: spec.vocab_size]  # drop TP vocab padding
-            for name, t in wmap.to_hf(entry, index, tensor).items():
+            layer_axis = wmap.has_layer_axis(entry)
+            tensors = []
+            for key in wmap.checkpoint_keys(entry, index):
+                tensor = loaded[key][0] if layer_axis else loaded[key]
+                if entry.stack == 2:
+                    tensor = tensor[index[1]]  # this expert
+                if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    tensor = tensor[: spec.vocab_size]  # drop TP vocab padding
+                tensors.append(tensor)
+            for name, t in wmap.to_hf(entry, index, tensors).items():
                 writer.add(name, t.to(out_dtype) if out_dtype else t)
             bar.update(1)
     bar.close()

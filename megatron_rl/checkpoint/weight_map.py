@@ -2,15 +2,24 @@
 
 The Megatron side is named by *checkpoint keys* (what `sharded_state_dict()` saves), not by
 module paths: those keys are the same for every TP/PP/EP layout and for the local and
-Transformer-Engine layer specs, and per-layer / per-expert tensors are stacked on leading axes
+Transformer-Engine layer specs (TE's grouped-GEMM experts save under the same keys as the
+local SequentialMLP), and per-layer / per-expert tensors are stacked on leading axes
 (`decoder.layers.<key>` has a layer axis; routed experts add an expert axis). A Megatron tensor
 here is the canonical TP1 tensor of one (layer[, expert]); TP/EP slicing is done by megatron's
 own sharding metadata, so this table is used unchanged by offline conversion, by loading HF
 weights into a running model at any layout, and by weight sync into rollout engines.
+
+An `Entry` ties one group of Megatron keys to one group of HF tensors:
+  copy       1 key ⇄ 1 tensor
+  gate_up    1 key (fc1) ⇄ gate_proj, up_proj                       (stacked on dim 0)
+  qkv        1 key (linear_qkv) ⇄ q, k, v                           (interleaved per GQA group)
+  gated_qkv  as qkv, but q_proj carries the output gate per head (Qwen3.5 gated attention)
+  split      N keys (GDN in_proj / conv1d sections) ⇄ 1 tensor       (stacked on dim 0)
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -20,87 +29,152 @@ from megatron_rl.checkpoint.errors import WeightMapError
 from megatron_rl.models.registry import ModelSpec
 
 HfGetter = Callable[[str], torch.Tensor]
+SUPPORTED = ("qwen3", "qwen3_moe", "qwen3_5_moe")
+_LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 
 
 @dataclass(frozen=True)
 class Entry:
-    key: str                    # megatron checkpoint key
+    keys: tuple[str, ...]       # megatron checkpoint keys; {l} layer when layers are not stacked
     hf: tuple[str, ...]         # HF templates; {l} layer, {e} expert
-    kind: str                   # copy | qkv | gate_up
-    stack: int = 0              # leading stacked axes: 0 none, 1 layer, 2 layer+expert
+    kind: str = "copy"
+    stack: int = 0              # logical index: 0 none, 1 (layer), 2 (layer, expert)
+    layer_type: str | None = None  # only layers of this type ('linear_attention', ...)
 
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
         return [t.format(l=layer, e=expert) for t in self.hf]
 
 
 class WeightMap:
-    """The mapping for one registry entry (Qwen3 dense and Qwen3-MoE layouts)."""
+    """The mapping for one registry entry (Qwen3, Qwen3-MoE, Qwen3.5 hybrid MoE)."""
 
     def __init__(self, spec: ModelSpec):
-        if spec.architecture not in ("qwen3", "qwen3_moe"):
+        if spec.architecture not in SUPPORTED:
             raise WeightMapError(
                 f"no HF⇄Megatron weight map for architecture '{spec.architecture}' "
-                f"(model '{spec.name}'); supported: qwen3, qwen3_moe")
+                f"(model '{spec.name}'); supported: {', '.join(SUPPORTED)}")
         self.spec = spec
-        L, A = "model.layers.{l}.", "decoder.layers."
+        # megatron stacks per-layer tensors on a layer axis only when all layers are alike;
+        # the hybrid's checkpoint has one key per layer (`decoder.layers.<i>.…`)
+        self.stacked_layers = spec.linear_attention is None
+        L = "model.layers.{l}."
+        A = "decoder.layers." if self.stacked_layers else "decoder.layers.{l}."
+        full = "full_attention" if spec.linear_attention is not None else None
         entries = [
-            Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy"),
-            Entry("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"),
-            Entry(A + "self_attention.linear_qkv.layer_norm_weight",
-                  (L + "input_layernorm.weight",), "copy", 1),
-            Entry(A + "self_attention.linear_qkv.weight",
-                  tuple(L + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", 1),
-            Entry(A + "self_attention.linear_proj.weight", (L + "self_attn.o_proj.weight",),
-                  "copy", 1),
-            Entry(A + "mlp.linear_fc1.layer_norm_weight",
-                  (L + "post_attention_layernorm.weight",), "copy", 1),
+            Entry(("embedding.word_embeddings.weight",), ("model.embed_tokens.weight",)),
+            Entry(("decoder.final_layernorm.weight",), ("model.norm.weight",)),
+            Entry((A + "self_attention.linear_qkv.layer_norm_weight",),
+                  (L + "input_layernorm.weight",), stack=1, layer_type=full),
+            Entry((A + "self_attention.linear_qkv.weight",),
+                  tuple(L + f"self_attn.{p}_proj.weight" for p in "qkv"),
+                  "gated_qkv" if spec.attention_output_gate else "qkv", 1, full),
+            Entry((A + "self_attention.linear_proj.weight",), (L + "self_attn.o_proj.weight",),
+                  stack=1, layer_type=full),
         ]
         if spec.qk_layernorm:
-            entries += [
-                Entry(A + "self_attention.q_layernorm.weight", (L + "self_attn.q_norm.weight",),
-                      "copy", 1),
-                Entry(A + "self_attention.k_layernorm.weight", (L + "self_attn.k_norm.weight",),
-                      "copy", 1),
-            ]
+            entries += [Entry((A + f"self_attention.{p}_layernorm.weight",),
+                              (L + f"self_attn.{p}_norm.weight",), stack=1, layer_type=full)
+                        for p in "qk"]
+        if spec.linear_attention is not None:
+            entries += self._gated_deltanet_entries(L, A)
         if spec.is_moe:
-            E = L + "mlp.experts.{e}."
+            E, S = L + "mlp.experts.{e}.", L + "mlp.shared_expert."
             entries += [
-                Entry(A + "mlp.router.weight", (L + "mlp.gate.weight",), "copy", 1),
-                Entry(A + "mlp.experts.experts.linear_fc1.weight",
+                Entry((A + "pre_mlp_layernorm.weight",), (L + "post_attention_layernorm.weight",),
+                      stack=1),
+                Entry((A + "mlp.router.weight",), (L + "mlp.gate.weight",), stack=1),
+                Entry((A + "mlp.experts.experts.linear_fc1.weight",),
                       (E + "gate_proj.weight", E + "up_proj.weight"), "gate_up", 2),
-                Entry(A + "mlp.experts.experts.linear_fc2.weight", (E + "down_proj.weight",),
-                      "copy", 2),
+                Entry((A + "mlp.experts.experts.linear_fc2.weight",), (E + "down_proj.weight",),
+                      stack=2),
             ]
+            if spec.shared_expert_ffn_hidden_size:
+                entries += [
+                    Entry((A + "mlp.shared_experts.linear_fc1.weight",),
+                          (S + "gate_proj.weight", S + "up_proj.weight"), "gate_up", 1),
+                    Entry((A + "mlp.shared_experts.linear_fc2.weight",),
+                          (S + "down_proj.weight",), stack=1),
+                ]
+            if spec.shared_expert_gate:
+                entries.append(Entry((A + "mlp.shared_experts.gate_weight",),
+                                     (L + "mlp.shared_expert_gate.weight",), stack=1))
         else:
             entries += [
-                Entry(A + "mlp.linear_fc1.weight",
+                Entry((A + "mlp.linear_fc1.layer_norm_weight",),
+                      (L + "post_attention_layernorm.weight",), stack=1),
+                Entry((A + "mlp.linear_fc1.weight",),
                       (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), "gate_up", 1),
-                Entry(A + "mlp.linear_fc2.weight", (L + "mlp.down_proj.weight",), "copy", 1),
+                Entry((A + "mlp.linear_fc2.weight",), (L + "mlp.down_proj.weight",), stack=1),
             ]
         if not spec.tie_word_embeddings:
-            entries.append(Entry("output_layer.weight", ("lm_head.weight",), "copy"))
-        self.entries = {e.key: e for e in entries}
+            entries.append(Entry(("output_layer.weight",), ("lm_head.weight",)))
+        self.entries = entries
+        self._by_key = {k: (e, i) for e in entries for i, k in enumerate(e.keys)}
+
+    @staticmethod
+    def _gated_deltanet_entries(L: str, A: str) -> list[Entry]:
+        """Qwen3.5's linear-attention layers. megatron fuses q,k,v,z,b,a into one `in_proj`
+        but checkpoints it per section (so TP can cut each section); HF keeps qkv fused.
+        The output norm is a plain RMSNorm in both (HF initialises it to ones)."""
+        G, S = A + "self_attention.", L + "linear_attn."
+
+        def gdn(keys: tuple[str, ...], hf: str, kind: str = "copy") -> Entry:
+            return Entry(tuple(G + k for k in keys), (S + hf,), kind, 1, "linear_attention")
+
+        sections = tuple(f"in_proj.weight.{s}" for s in ("query", "key", "value"))
+        return [
+            Entry((G + "in_proj.layer_norm_weight",), (L + "input_layernorm.weight",),
+                  stack=1, layer_type="linear_attention"),
+            gdn(sections, "in_proj_qkv.weight", "split"),
+            gdn(("in_proj.weight.z",), "in_proj_z.weight"),
+            gdn(("in_proj.weight.beta",), "in_proj_b.weight"),
+            gdn(("in_proj.weight.alpha",), "in_proj_a.weight"),
+            gdn(tuple(f"conv1d.weight.{s}" for s in ("query", "key", "value")),
+                "conv1d.weight", "split"),
+            gdn(("A_log",), "A_log"),
+            gdn(("dt_bias",), "dt_bias"),
+            gdn(("out_norm.weight",), "norm.weight"),
+            gdn(("out_proj.weight",), "out_proj.weight"),
+        ]
 
     # -- enumeration ---------------------------------------------------------------------------
-    def entry(self, key: str) -> Entry:
+    def locate(self, key: str, leading: tuple[int, ...]) -> tuple[Entry, tuple[int, ...], int]:
+        """(entry, logical index, position in entry.keys) of a checkpoint tensor, given the
+        offsets of its stacked leading axes."""
+        template, index = key, leading
+        if not self.stacked_layers and (m := _LAYER_KEY.match(key)):
+            template, index = f"decoder.layers.{{l}}.{m[2]}", (int(m[1]), *leading)
         try:
-            return self.entries[key]
+            entry, position = self._by_key[template]
         except KeyError:
             raise WeightMapError(f"megatron tensor '{key}' has no HF counterpart in the "
                                  f"'{self.spec.architecture}' weight map") from None
+        return entry, index, position
+
+    def checkpoint_keys(self, entry: Entry, index: tuple[int, ...]) -> list[str]:
+        return [k.format(l=index[0]) if "{l}" in k else k for k in entry.keys]
+
+    def has_layer_axis(self, entry: Entry) -> bool:
+        """Whether the checkpoint tensor of `entry` is stacked over layers (axis 0)."""
+        return self.stacked_layers and entry.stack > 0
+
+    def all_checkpoint_keys(self) -> set[str]:
+        return {k for e, idx in self.units() for k in self.checkpoint_keys(e, idx)}
 
     def units(self) -> Iterator[tuple[Entry, tuple[int, ...]]]:
         """Every (entry, stacked index) in HF file order: embeddings, layer by layer, head."""
-        flat = [e for e in self.entries.values() if e.stack == 0]
-        yield from ((e, ()) for e in flat if e.key.startswith("embedding"))
-        for layer in range(self.spec.num_layers):
-            for e in self.entries.values():
+        flat = [e for e in self.entries if e.stack == 0]
+        yield from ((e, ()) for e in flat if e.keys[0].startswith("embedding"))
+        for layer, kind in enumerate(self.spec.layer_types):
+            for e in self.entries:
+                if e.stack == 0 or e.layer_type not in (None, kind):
+                    continue
                 if e.stack == 1:
                     yield e, (layer,)
-                elif e.stack == 2:
+                else:
                     for expert in range(self.spec.num_experts):
                         yield e, (layer, expert)
-        yield from ((e, ()) for e in flat if not e.key.startswith("embedding"))
+        yield from ((e, ()) for e in flat if not e.keys[0].startswith("embedding"))
 
     def hf_names(self) -> list[str]:
         return [n for e, idx in self.units() for n in e.hf_names(*idx)]
@@ -108,53 +182,99 @@ class WeightMap:
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         s = self.spec
         h, d = s.hidden_size, s.head_dim
-        shapes: dict[str, tuple[int, ...]] = {}
+        q_rows = s.num_attention_heads * d * (2 if s.attention_output_gate else 1)
         per = {
             "embed_tokens.weight": (s.vocab_size, h), "lm_head.weight": (s.vocab_size, h),
             "model.norm.weight": (h,), "input_layernorm.weight": (h,),
             "post_attention_layernorm.weight": (h,),
-            "q_proj.weight": (s.num_attention_heads * d, h),
+            "q_proj.weight": (q_rows, h),
             "k_proj.weight": (s.num_query_groups * d, h),
             "v_proj.weight": (s.num_query_groups * d, h),
             "o_proj.weight": (h, s.num_attention_heads * d),
-            "q_norm.weight": (d,), "k_norm.weight": (d,), "gate.weight": (s.num_experts, h),
+            "q_norm.weight": (d,), "k_norm.weight": (d,),
         }
-        ffn = s.moe_ffn_hidden_size if s.is_moe else s.ffn_hidden_size
-        per.update({"gate_proj.weight": (ffn, h), "up_proj.weight": (ffn, h),
-                    "down_proj.weight": (h, ffn)})
+        if s.is_moe:
+            f = s.moe_ffn_hidden_size
+            per.update({"mlp.gate.weight": (s.num_experts, h), "experts.*.gate_proj.weight":
+                        (f, h), "experts.*.up_proj.weight": (f, h),
+                        "experts.*.down_proj.weight": (h, f)})
+            if s.shared_expert_ffn_hidden_size:
+                f = s.shared_expert_ffn_hidden_size
+                per.update({"shared_expert.gate_proj.weight": (f, h),
+                            "shared_expert.up_proj.weight": (f, h),
+                            "shared_expert.down_proj.weight": (h, f),
+                            "shared_expert_gate.weight": (1, h)})
+        else:
+            f = s.ffn_hidden_size
+            per.update({"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
+                        "mlp.down_proj.weight": (h, f)})
+        if (la := s.linear_attention) is not None:
+            k, v = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+            n = la.num_value_heads
+            per.update({"in_proj_qkv.weight": (2 * k + v, h), "in_proj_z.weight": (v, h),
+                        "in_proj_b.weight": (n, h), "in_proj_a.weight": (n, h),
+                        "conv1d.weight": (2 * k + v, 1, la.conv_kernel), "A_log": (n,),
+                        "dt_bias": (n,), "linear_attn.norm.weight": (la.value_head_dim,),
+                        "out_proj.weight": (h, v)})
+        shapes = {}
         for name in self.hf_names():
-            suffix = next(k for k in per if name.endswith(k))
-            shapes[name] = per[suffix]
+            generic = re.sub(r"\.\d+\.", ".*.", name)
+            shapes[name] = per[max((k for k in per if generic.endswith(k)), key=len)]
         return shapes
 
     # -- conversion ----------------------------------------------------------------------------
-    def to_megatron(self, entry: Entry, index: tuple[int, ...], get: HfGetter) -> torch.Tensor:
-        """The canonical (TP1) Megatron tensor of `entry` at `index` from HF tensors."""
+    def _split_sizes(self) -> list[int]:
+        la = self.spec.linear_attention
+        k = la.num_key_heads * la.key_head_dim
+        return [k, k, la.num_value_heads * la.value_head_dim]
+
+    def to_megatron(self, entry: Entry, index: tuple[int, ...],
+                    get: HfGetter) -> list[torch.Tensor]:
+        """The canonical (TP1) Megatron tensors of `entry` at `index` (one per key)."""
         parts = [get(n) for n in entry.hf_names(*index)]
         if entry.kind == "copy":
-            return parts[0]
+            return parts
         if entry.kind == "gate_up":
-            return torch.cat(parts, dim=0)
-        q, k, v = parts
+            return [torch.cat(parts, dim=0)]
+        if entry.kind == "split":
+            return list(parts[0].split(self._split_sizes(), dim=0))
         s = self.spec
         groups, d = s.num_query_groups, s.head_dim
         per_group = s.num_attention_heads // groups
-        q = q.view(groups, per_group * d, -1)
-        k, v = k.view(groups, d, -1), v.view(groups, d, -1)
-        return torch.cat([q, k, v], dim=1).reshape(-1, q.shape[-1])
+        q, k, v = parts
+        hidden = q.shape[-1]
+        k, v = k.view(groups, d, hidden), v.view(groups, d, hidden)
+        if entry.kind == "qkv":
+            blocks = [q.view(groups, per_group * d, hidden), k, v]
+        else:  # per head [q | gate] in HF; per group [q heads | gate heads | k | v] in megatron
+            qg = q.view(groups, per_group, 2, d, hidden)
+            blocks = [qg[:, :, 0].reshape(groups, per_group * d, hidden),
+                      qg[:, :, 1].reshape(groups, per_group * d, hidden), k, v]
+        return [torch.cat(blocks, dim=1).reshape(-1, hidden)]
 
     def to_hf(self, entry: Entry, index: tuple[int, ...],
-              tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+              tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF tensors of `entry` at `index` from its Megatron tensors (one per key)."""
         names = entry.hf_names(*index)
+        tensor = tensors[0]
         if entry.kind == "copy":
             return {names[0]: tensor}
         if entry.kind == "gate_up":
             gate, up = tensor.chunk(2, dim=0)
             return {names[0]: gate, names[1]: up}
+        if entry.kind == "split":
+            return {names[0]: torch.cat(tensors, dim=0)}
         s = self.spec
         groups, d = s.num_query_groups, s.head_dim
         per_group = s.num_attention_heads // groups
-        qkv = tensor.view(groups, (per_group + 2) * d, -1)
-        q, k, v = qkv.split([per_group * d, d, d], dim=1)
-        return {names[0]: q.reshape(-1, qkv.shape[-1]), names[1]: k.reshape(-1, qkv.shape[-1]),
-                names[2]: v.reshape(-1, qkv.shape[-1])}
+        hidden = tensor.shape[-1]
+        gated = entry.kind == "gated_qkv"
+        qkv = tensor.view(groups, ((2 if gated else 1) * per_group + 2) * d, hidden)
+        if gated:
+            q, gate, k, v = qkv.split([per_group * d, per_group * d, d, d], dim=1)
+            q = torch.stack([q.reshape(groups, per_group, d, hidden),
+                             gate.reshape(groups, per_group, d, hidden)], dim=2)
+        else:
+            q, k, v = qkv.split([per_group * d, d, d], dim=1)
+        return {names[0]: q.reshape(-1, hidden), names[1]: k.reshape(-1, hidden),
+                names[2]: v.reshape(-1, hidden)}

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from megatron_rl.config.schema import ModelConfig, ParallelConfig
+from megatron_rl.models.layer_specs import block_spec
 from megatron_rl.models.logprobs import chunked_logprobs
 from megatron_rl.models.registry import ModelSpec
 
@@ -98,21 +99,6 @@ def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, parallel: Parall
     return TransformerConfig(**kw)
 
 
-def layer_spec(spec: ModelSpec, model_cfg: ModelConfig):
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    if spec.linear_attention is not None:
-        raise NotImplementedError(
-            f"model '{spec.name}': Qwen3.5 hybrid (Gated DeltaNet) layers are not buildable yet; "
-            "they arrive with the HF conversion work (issue 3)")
-    if use_transformer_engine(model_cfg):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=spec.num_experts, moe_grouped_gemm=True, qk_layernorm=spec.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=spec.num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm,
-        normalization="RMSNorm")
-
-
 def build_gpt_model(spec: ModelSpec, model_cfg: ModelConfig, parallel: ParallelConfig,
                     **config_overrides: Any):
     """This rank's `GPTModel` stage (pre/post-process follow the pipeline stage)."""
@@ -122,7 +108,7 @@ def build_gpt_model(spec: ModelSpec, model_cfg: ModelConfig, parallel: ParallelC
     config = transformer_config(spec, model_cfg, parallel, **config_overrides)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec, model_cfg),
+        transformer_layer_spec=block_spec(spec, config, use_transformer_engine(model_cfg)),
         vocab_size=padded_vocab_size(spec, parallel),
         max_sequence_length=model_cfg.seq_length,
         pre_process=ps.is_pipeline_first_stage(),

@@ -206,32 +206,6 @@ def _apply_sync() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
 
 
-# -- spnorm: MoE+TP demands sequence parallel, but the only non-TE norm refuses it ---------------
-def _apply_spnorm() -> None:
-    from megatron.core.transformer import torch_norm
-
-    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-            zero_centered_gamma=False, normalization="LayerNorm"):
-        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[
-            config.normalization]
-        module = norm_cls(normalized_shape=hidden_size, eps=eps)
-        for p in module.parameters():  # as TENorm does: grads are all-reduced over TP
-            p.sequence_parallel = bool(config.sequence_parallel)
-        return module
-
-    torch_norm.WrappedTorchNorm.__new__ = new
-
-
-def _probe_spnorm() -> bool:
-    from megatron.core.transformer import torch_norm
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
-                            sequence_parallel=True, tensor_model_parallel_size=2,
-                            normalization="RMSNorm")
-    return _raises(lambda: torch_norm.WrappedTorchNorm(cfg, 8))
-
-
 # -- a2asplits: alltoall split sizes become numpy only for CUDA tensors -------------------------
 def _apply_a2asplits() -> None:
     import megatron.core.transformer.moe.token_dispatcher as td
@@ -282,6 +256,49 @@ def _probe_adamstep() -> bool:
     return 's["step"] = step\n' in inspect.getsource(DO.load_state_dict)
 
 
+# -- gdn: Gated DeltaNet (Qwen3.5) runs only on flash-linear-attention's Triton kernels -----------
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
+                   output_final_state=False, cu_seqlens=None):
+    """fla's `causal_conv1d` contract: x [b, s, d], weight [d, w] → ([b, s, d], final state)."""
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise NotImplementedError("Gated DeltaNet with packed sequences or a conv state needs "
+                                  "flash-linear-attention (GPU): pip install 'megatron-rl[gpu]'")
+    seq = x.shape[1]
+    y = torch.nn.functional.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias,
+                                   padding=weight.shape[1] - 1, groups=x.shape[2])[..., :seq]
+    if activation in ("silu", "swish"):
+        y = torch.nn.functional.silu(y)
+    return y.transpose(1, 2), None
+
+
+def ensure_gdn_kernels() -> None:
+    """Pure-PyTorch Gated DeltaNet kernels where fla's are missing (megatron's own torch
+    chunked delta rule, a depthwise conv, an l2norm), and eager instead of torch.compile for
+    GDN's fused helpers on CPU (inductor would compile C++ on every new shape)."""
+    from megatron.core.ssm.gated_delta_net import common, gdn
+
+    if not common.HAVE_FLA:
+        common.HAVE_FLA = True
+        common.l2norm = _l2norm
+        gdn.causal_conv1d = _causal_conv1d
+        gdn.chunk_gated_delta_rule = common.torch_chunk_gated_delta_rule
+    if not torch.cuda.is_available():
+        for name in ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule",
+                     "_compute_g_and_beta"):
+            fn = getattr(common._GDNBase, name)
+            setattr(common._GDNBase, name, getattr(fn, "__wrapped__", fn))
+
+
+def _probe_gdn() -> bool:
+    import importlib
+
+    return not importlib.import_module("megatron.core.ssm.gated_delta_net.common").HAVE_FLA
+
+
 SHIMS: tuple[Shim, ...] = (
     Shim("rng", "RNG tracker keeps torch.cuda states", _apply_rng,
          lambda: _raises(torch.cuda.get_rng_state)),
@@ -295,12 +312,12 @@ SHIMS: tuple[Shim, ...] = (
          lambda: torch.zeros(1).type() != "torch.cuda.FloatTensor"),
     Shim("sync", "checkpoint writer calls torch.cuda.synchronize()", _apply_sync,
          lambda: _raises(torch.cuda.synchronize)),
-    Shim("spnorm", "torch norms refuse sequence_parallel, which MoE+TP requires", _apply_spnorm,
-         _probe_spnorm),
     Shim("a2asplits", "alltoall split sizes reach gloo as tensors", _apply_a2asplits,
          _probe_a2asplits),
     Shim("adamstep", "distributed-optimizer load expects a 'step' tensor torch Adam keeps",
          _apply_adamstep, _probe_adamstep),
+    Shim("gdn", "Gated DeltaNet needs flash-linear-attention (Triton)", ensure_gdn_kernels,
+         _probe_gdn),
 )
 
 

@@ -1,0 +1,142 @@
+"""Decoder block specs: which attention / MLP / norm modules each layer is built from.
+
+On GPU (Transformer Engine) megatron-core's own spec functions are used unchanged. Without TE
+the block is composed here from megatron's local modules, for every registry architecture:
+
+* one `RMSNorm` module for every norm (input, pre-MLP, q/k, GDN output, final), honouring the
+  config's zero-centred (1+w) gamma that Qwen3.5 uses, which megatron's torch norm lacks;
+* Qwen3.5's hybrid pattern: Gated DeltaNet layers with an unfused input norm (TE fuses it into
+  `in_proj`), gated full attention every `full_attention_interval` layers;
+* checkpoint keys remapped to the TE spec's names, so a checkpoint written on CPU loads on a
+  TE cluster and vice versa (megatron's local spec also renames the MoE pre-MLP norm, which
+  the TE MoE spec does not; that is not copied here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_rl.models.registry import ModelSpec
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm computed in fp32 like HF Qwen3/Qwen3.5; gamma is (1 + w) when the config asks
+    for zero-centred gamma. The weight is marked sequence-parallel as TENorm marks it, so its
+    gradient is all-reduced over TP under sequence parallelism."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6,
+                 zero_centered: bool | None = None, **_unused: Any):
+        super().__init__()
+        self.zero_centered = bool(config.layernorm_zero_centered_gamma if zero_centered is None
+                                  else zero_centered)
+        self.eps = eps
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        gamma = self.weight.float() + 1.0 if self.zero_centered else self.weight.float()
+        return (h * gamma).to(x.dtype)
+
+
+class PlainTENorm:
+    """TENorm without zero-centred gamma, whatever the config says (see `_plain_gdn_out_norm`)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5):
+        import copy
+
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        plain = copy.copy(config)
+        plain.layernorm_zero_centered_gamma = False
+        return TENorm(plain, hidden_size, eps)
+
+
+def _plain_gdn_out_norm():
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    # Qwen3.5's GDN output norm is a plain RMSNorm (ones-initialised) even though every other
+    # norm is zero-centred; keeping it plain makes HF ⇄ Megatron a bit-exact copy
+    return ModuleSpec(module=RMSNorm, params={"zero_centered": False})
+
+
+def block_spec(spec: ModelSpec, config: Any, use_te: bool):
+    """The `transformer_layer_spec` GPTModel takes for this rank's pipeline stage."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te:
+        if spec.linear_attention is not None:
+            from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+                get_transformer_block_with_experimental_attention_variant_spec,
+            )
+            block = get_transformer_block_with_experimental_attention_variant_spec(config)
+            for layer in block.layer_specs:  # TE would make the GDN output norm (1+w) too
+                mixer = layer.submodules.self_attention
+                if hasattr(mixer.submodules, "out_norm"):
+                    mixer.submodules.out_norm = PlainTENorm
+            return block
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=spec.num_experts, moe_grouped_gemm=True, qk_layernorm=spec.qk_layernorm)
+    return _local_block_spec(spec, config)
+
+
+def _local_block_spec(spec: ModelSpec, config: Any):
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    mlp = get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=spec.num_experts,
+                                          moe_grouped_gemm=False)
+    kinds = spec.layer_types
+    if "linear_attention" in kinds:
+        from megatron_rl.models import cpu_compat
+
+        cpu_compat.ensure_gdn_kernels()
+    offset = get_transformer_layer_offset(config)
+    count = get_num_layers_to_build(config)
+    layers = [_layer_spec(kinds[i], spec, mlp) for i in range(offset, offset + count)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
+
+
+def _layer_spec(kind: str, spec: ModelSpec, mlp: Any):
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    if kind == "linear_attention":
+        from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+
+        mixer = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=_plain_gdn_out_norm(),
+            out_proj=RowParallelLinear))
+        keys = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
+    else:
+        qk_norm = RMSNorm if spec.qk_layernorm else IdentityOp
+        mixer = ModuleSpec(
+            module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
+                linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
+        keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if not spec.is_moe:  # TE fuses this norm into the dense fc1 (not into the MoE router)
+        keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=RMSNorm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=RMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=keys))
