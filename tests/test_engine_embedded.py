@@ -185,50 +185,64 @@ def test_concurrent_requests_match_their_sequential_results(server) -> None:
 
 
 def test_stop_tokens_and_min_new_tokens(model, server) -> None:
-    ref = hf_greedy(model, PROMPTS[0], 30)
-    stop = ref[5]
-    first = ref.index(stop)
+    plain = hf_greedy(model, PROMPTS[0], 30)
+    stop = plain[5]
+    for min_new in (0, 8):  # HF's eos handling has the same semantics: stop token kept
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=30,
+                                 min_new_tokens=min_new, eos_token_id=stop, pad_token_id=0)
+        ref = ref[0, len(PROMPTS[0]):].tolist()
+        (res,) = run(generate(server.url, GenerateRequest(
+            f"st{min_new}", PROMPTS[0], greedy(30, stop_token_ids=[stop],
+                                               min_new_tokens=min_new))))
+        assert res.output_ids == ref
+        assert stop not in res.output_ids[:min_new]
+        if res.output_ids[-1] == stop:
+            assert res.finish_reason == "stop"
+            assert res.meta_info["finish_reason"]["matched"] == stop
     (res,) = run(generate(server.url, GenerateRequest("st", PROMPTS[0],
                                                       greedy(30, stop_token_ids=[stop]))))
-    assert res.output_ids == ref[: first + 1]  # the matched stop token is part of the output
-    assert res.finish_reason == "stop" and res.meta_info["finish_reason"]["matched"] == stop
-    later = [i for i, t in enumerate(ref) if t == stop and i >= 8]
-    (res,) = run(generate(server.url, GenerateRequest(
-        "mn", PROMPTS[0], greedy(30, stop_token_ids=[stop], min_new_tokens=8))))
-    assert len(res.output_ids) == (later[0] + 1 if later else 30)
-    assert stop not in res.output_ids[:8]
+    assert res.output_ids == plain[: plain.index(stop) + 1] and res.finish_reason == "stop"
 
 
-def test_abort_returns_the_partial_output_and_resuming_continues_it(model, server) -> None:
-    ref = hf_greedy(model, PROMPTS[2], 60)
+@pytest.fixture(scope="module")
+def long_ref(model) -> dict[int, list[int]]:
+    """Greedy continuations long enough that abort/pause land mid-generation."""
+    return {i: hf_greedy(model, PROMPTS[i], LONG) for i in (0, 2)}
+
+
+LONG = 200
+
+
+def test_abort_returns_the_partial_output_and_resuming_continues_it(server, long_ref) -> None:
+    ref = long_ref[2]
 
     async def scenario() -> tuple:
         async with HttpEngine(server.url) as eng:
             task = asyncio.create_task(eng.generate(GenerateRequest("ab", PROMPTS[2],
-                                                                    greedy(5000))))
+                                                                    greedy(LONG))))
             await wait_running(server.url, "ab", 4)
             await eng.abort("ab")
             partial = await task
             await eng.abort("no-such-rid")  # unknown ids are fine, as in SGLang
-            done = len(partial.output_ids)
             rest = await eng.generate(GenerateRequest("ab2", PROMPTS[2] + partial.output_ids,
-                                                      greedy(60 - done)))
+                                                      greedy(LONG - len(partial.output_ids))))
             return partial, rest
 
     partial, rest = run(scenario())
     assert partial.finish_reason == "abort"
-    assert 4 <= len(partial.output_ids) < 60
+    assert 4 <= len(partial.output_ids) < LONG
     assert len(partial.output_logprobs) == len(partial.weight_versions) == len(partial.output_ids)
     assert partial.output_ids + rest.output_ids == ref  # resumed from the committed prefix
 
 
-def test_pause_holds_requests_and_continue_finishes_them(model, server) -> None:
-    ref = hf_greedy(model, PROMPTS[0], 80)
+def test_pause_holds_requests_and_continue_finishes_them(server, long_ref) -> None:
+    ref = long_ref[0]
 
     async def scenario(mode: str) -> tuple:
         async with HttpEngine(server.url) as eng:
             task = asyncio.create_task(eng.generate(GenerateRequest(f"p-{mode}", PROMPTS[0],
-                                                                    greedy(80))))
+                                                                    greedy(LONG))))
             await wait_running(server.url, f"p-{mode}", 3)
             await eng.pause_generation(mode)
             late = asyncio.create_task(eng.generate(GenerateRequest(f"late-{mode}", PROMPTS[0],
@@ -241,7 +255,7 @@ def test_pause_holds_requests_and_continue_finishes_them(model, server) -> None:
 
     first, second, held, late = run(scenario("in_place"))
     assert first["paused"] and first["running"] == second["running"]  # no decode while paused
-    assert "late-in_place" in second["waiting"]
+    assert "p-in_place" in first["running"] and "late-in_place" in second["waiting"]
     assert held.output_ids == ref and late.output_ids == ref[:5]
     first, second, held, _ = run(scenario("retract"))
     assert first["running"] == {} and "p-retract" in first["waiting"]
