@@ -22,8 +22,13 @@ def tokens(vocab: int, rows: int = 2, seq: int = 24, seed: int = 3) -> torch.Ten
 
 def save_random_hf(model_name: str, out: str, seed: int = 0) -> None:
     """A random transformers model of the registry entry; norms randomised too, so a swapped
-    or missed norm cannot hide behind an all-ones initialisation."""
+    or missed norm cannot hide behind an all-ones initialisation. transformers has no MTP
+    module, so MTP tensors (Qwen3.5) are added to the file the way released checkpoints carry
+    them."""
     import transformers
+    from safetensors.torch import load_file, save_file
+
+    from megatron_rl.checkpoint.weight_map import WeightMap
 
     torch.manual_seed(seed)
     spec = get_model_spec(model_name)
@@ -35,6 +40,14 @@ def save_random_hf(model_name: str, out: str, seed: int = 0) -> None:
             else:
                 p.normal_(0, 0.05)
     model.save_pretrained(out)
+    mtp = {n: s for n, s in WeightMap(spec).hf_shapes().items() if n.startswith("mtp.")}
+    if mtp:
+        path = f"{out}/model.safetensors"
+        tensors = load_file(path)
+        for name, shape in mtp.items():
+            noise = torch.randn(shape)
+            tensors[name] = 1 + 0.2 * noise if "norm" in name else 0.05 * noise
+        save_file(tensors, path, metadata={"format": "pt"})
 
 
 def hf_logits(hf_dir: str, ids: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,7 @@ def test_round_trip_is_bit_exact_and_reloads(model, converted, tmp_path):
     original, exported = cc.read_safetensors(str(hf)), cc.read_safetensors(str(back))
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
+    assert any(k.startswith("mtp.") for k in original) == (model == "tiny-qwen3.5")
     config = json.loads((back / "config.json").read_text())
     assert config["architectures"] == [ARCHITECTURES[model]]
     assert (back / "generation_config.json").is_file()

@@ -135,8 +135,8 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str, tokenizer_dir: str |
     tmp.mkdir(parents=True)
 
     metadata = read_metadata(src)
-    model_keys = {k for k in metadata if k.startswith(("embedding.", "decoder.", "output_layer."))
-                  and "_extra_state" not in k}
+    model_keys = {k for k in metadata if "_extra_state" not in k
+                  and k.startswith(("embedding.", "decoder.", "mtp.", "output_layer."))}
     expected = wmap.all_checkpoint_keys()
     unknown = sorted(model_keys - expected)
     if unknown:

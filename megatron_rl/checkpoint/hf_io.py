@@ -83,7 +83,8 @@ class HFCheckpoint:
                 f"{self.path}: architecture {archs} does not match model "
                 f"'{wmap.spec.name}' (expects {list(expected_architectures)})")
         expected = wmap.hf_shapes()
-        have = {n for n in self.weight_map if not n.startswith(("model.visual", "mtp."))}
+        skipped = ("model.visual",) + (() if wmap.spec.mtp_num_layers else ("mtp.",))
+        have = {n for n in self.weight_map if not n.startswith(skipped)}
         if wmap.spec.tie_word_embeddings:
             have.discard("lm_head.weight")
         missing = sorted(set(expected) - have)

@@ -30,7 +30,7 @@ from megatron_rl.models.registry import ModelSpec
 
 HfGetter = Callable[[str], torch.Tensor]
 SUPPORTED = ("qwen3", "qwen3_moe", "qwen3_5_moe")
-_LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+_LAYER_KEY = re.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.*)")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,13 @@ class Entry:
 
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
         return [t.format(l=layer, e=expert) for t in self.hf]
+
+
+def _applies(entry: Entry, kind: str) -> bool:
+    """Whether `entry` exists in a layer of `kind` (a decoder layer type, or 'mtp')."""
+    if kind == "mtp":
+        return entry.layer_type == "mtp"
+    return entry.layer_type in (None, kind)
 
 
 class WeightMap:
@@ -59,57 +66,88 @@ class WeightMap:
         self.stacked_layers = spec.linear_attention is None
         L = "model.layers.{l}."
         A = "decoder.layers." if self.stacked_layers else "decoder.layers.{l}."
-        full = "full_attention" if spec.linear_attention is not None else None
         entries = [
             Entry(("embedding.word_embeddings.weight",), ("model.embed_tokens.weight",)),
             Entry(("decoder.final_layernorm.weight",), ("model.norm.weight",)),
-            Entry((A + "self_attention.linear_qkv.layer_norm_weight",),
-                  (L + "input_layernorm.weight",), stack=1, layer_type=full),
-            Entry((A + "self_attention.linear_qkv.weight",),
-                  tuple(L + f"self_attn.{p}_proj.weight" for p in "qkv"),
-                  "gated_qkv" if spec.attention_output_gate else "qkv", 1, full),
-            Entry((A + "self_attention.linear_proj.weight",), (L + "self_attn.o_proj.weight",),
-                  stack=1, layer_type=full),
         ]
-        if spec.qk_layernorm:
-            entries += [Entry((A + f"self_attention.{p}_layernorm.weight",),
-                              (L + f"self_attn.{p}_norm.weight",), stack=1, layer_type=full)
-                        for p in "qk"]
-        if spec.linear_attention is not None:
+        hybrid = spec.linear_attention is not None
+        entries += self._layer_entries(L, A, "full_attention" if hybrid else None)
+        if hybrid:
             entries += self._gated_deltanet_entries(L, A)
-        if spec.is_moe:
-            E, S = L + "mlp.experts.{e}.", L + "mlp.shared_expert."
-            entries += [
-                Entry((A + "pre_mlp_layernorm.weight",), (L + "post_attention_layernorm.weight",),
-                      stack=1),
-                Entry((A + "mlp.router.weight",), (L + "mlp.gate.weight",), stack=1),
-                Entry((A + "mlp.experts.experts.linear_fc1.weight",),
-                      (E + "gate_proj.weight", E + "up_proj.weight"), "gate_up", 2),
-                Entry((A + "mlp.experts.experts.linear_fc2.weight",), (E + "down_proj.weight",),
-                      stack=2),
-            ]
-            if spec.shared_expert_ffn_hidden_size:
-                entries += [
-                    Entry((A + "mlp.shared_experts.linear_fc1.weight",),
-                          (S + "gate_proj.weight", S + "up_proj.weight"), "gate_up", 1),
-                    Entry((A + "mlp.shared_experts.linear_fc2.weight",),
-                          (S + "down_proj.weight",), stack=1),
-                ]
-            if spec.shared_expert_gate:
-                entries.append(Entry((A + "mlp.shared_experts.gate_weight",),
-                                     (L + "mlp.shared_expert_gate.weight",), stack=1))
-        else:
-            entries += [
-                Entry((A + "mlp.linear_fc1.layer_norm_weight",),
-                      (L + "post_attention_layernorm.weight",), stack=1),
-                Entry((A + "mlp.linear_fc1.weight",),
-                      (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), "gate_up", 1),
-                Entry((A + "mlp.linear_fc2.weight",), (L + "mlp.down_proj.weight",), stack=1),
-            ]
+        if spec.mtp_num_layers:
+            entries += self._mtp_entries()
         if not spec.tie_word_embeddings:
             entries.append(Entry(("output_layer.weight",), ("lm_head.weight",)))
         self.entries = entries
         self._by_key = {k: (e, i) for e in entries for i, k in enumerate(e.keys)}
+
+    def _layer_entries(self, L: str, A: str, attention: str | None) -> list[Entry]:
+        """Full attention (entries tagged `attention`) and the MLP / MoE of one layer."""
+        spec = self.spec
+        mlp = "mtp" if attention == "mtp" else None
+        entries = [
+            Entry((A + "self_attention.linear_qkv.layer_norm_weight",),
+                  (L + "input_layernorm.weight",), stack=1, layer_type=attention),
+            Entry((A + "self_attention.linear_qkv.weight",),
+                  tuple(L + f"self_attn.{p}_proj.weight" for p in "qkv"),
+                  "gated_qkv" if spec.attention_output_gate else "qkv", 1, attention),
+            Entry((A + "self_attention.linear_proj.weight",), (L + "self_attn.o_proj.weight",),
+                  stack=1, layer_type=attention),
+        ]
+        if spec.qk_layernorm:
+            entries += [Entry((A + f"self_attention.{p}_layernorm.weight",),
+                              (L + f"self_attn.{p}_norm.weight",), stack=1, layer_type=attention)
+                        for p in "qk"]
+        if not spec.is_moe:
+            return [
+                *entries,
+                Entry((A + "mlp.linear_fc1.layer_norm_weight",),
+                      (L + "post_attention_layernorm.weight",), stack=1, layer_type=mlp),
+                Entry((A + "mlp.linear_fc1.weight",),
+                      (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), "gate_up", 1, mlp),
+                Entry((A + "mlp.linear_fc2.weight",), (L + "mlp.down_proj.weight",), stack=1,
+                      layer_type=mlp),
+            ]
+        E, S = L + "mlp.experts.{e}.", L + "mlp.shared_expert."
+        entries += [
+            Entry((A + "pre_mlp_layernorm.weight",), (L + "post_attention_layernorm.weight",),
+                  stack=1, layer_type=mlp),
+            Entry((A + "mlp.router.weight",), (L + "mlp.gate.weight",), stack=1, layer_type=mlp),
+            Entry((A + "mlp.experts.experts.linear_fc1.weight",),
+                  (E + "gate_proj.weight", E + "up_proj.weight"), "gate_up", 2, mlp),
+            Entry((A + "mlp.experts.experts.linear_fc2.weight",), (E + "down_proj.weight",),
+                  stack=2, layer_type=mlp),
+        ]
+        if spec.shared_expert_ffn_hidden_size:
+            entries += [
+                Entry((A + "mlp.shared_experts.linear_fc1.weight",),
+                      (S + "gate_proj.weight", S + "up_proj.weight"), "gate_up", 1, mlp),
+                Entry((A + "mlp.shared_experts.linear_fc2.weight",), (S + "down_proj.weight",),
+                      stack=1, layer_type=mlp),
+            ]
+        if spec.shared_expert_gate:
+            entries.append(Entry((A + "mlp.shared_experts.gate_weight",),
+                                 (L + "mlp.shared_expert_gate.weight",), stack=1, layer_type=mlp))
+        return entries
+
+    def _mtp_entries(self) -> list[Entry]:
+        """Qwen3.5's multi-token-prediction layer: megatron's MTP layer (enorm, hnorm, eh_proj,
+        a full-attention transformer layer, final norm) ⇄ HF `mtp.*`. HF names the norms and
+        the projection once, so only one MTP layer has an HF form."""
+        if self.spec.mtp_num_layers != 1:
+            raise WeightMapError(f"model '{self.spec.name}': HF checkpoints name one MTP layer; "
+                                 f"mtp_num_layers={self.spec.mtp_num_layers}")
+        M = "mtp.layers.{l}."
+        return [
+            Entry((M + "enorm.weight",), ("mtp.pre_fc_norm_embedding.weight",), stack=1,
+                  layer_type="mtp"),
+            Entry((M + "hnorm.weight",), ("mtp.pre_fc_norm_hidden.weight",), stack=1,
+                  layer_type="mtp"),
+            Entry((M + "eh_proj.weight",), ("mtp.fc.weight",), stack=1, layer_type="mtp"),
+            Entry((M + "final_layernorm.weight",), ("mtp.norm.weight",), stack=1,
+                  layer_type="mtp"),
+            *self._layer_entries(M, M + "transformer_layer.", "mtp"),
+        ]
 
     @staticmethod
     def _gated_deltanet_entries(L: str, A: str) -> list[Entry]:
@@ -142,8 +180,9 @@ class WeightMap:
         """(entry, logical index, position in entry.keys) of a checkpoint tensor, given the
         offsets of its stacked leading axes."""
         template, index = key, leading
-        if not self.stacked_layers and (m := _LAYER_KEY.match(key)):
-            template, index = f"decoder.layers.{{l}}.{m[2]}", (int(m[1]), *leading)
+        m = _LAYER_KEY.match(key)
+        if m and (m[1] == "mtp" or not self.stacked_layers):  # one key per layer
+            template, index = f"{m[1]}.layers.{{l}}.{m[3]}", (int(m[2]), *leading)
         try:
             entry, position = self._by_key[template]
         except KeyError:
@@ -156,7 +195,7 @@ class WeightMap:
 
     def has_layer_axis(self, entry: Entry) -> bool:
         """Whether the checkpoint tensor of `entry` is stacked over layers (axis 0)."""
-        return self.stacked_layers and entry.stack > 0
+        return self.stacked_layers and entry.stack > 0 and entry.layer_type != "mtp"
 
     def all_checkpoint_keys(self) -> set[str]:
         return {k for e, idx in self.units() for k in self.checkpoint_keys(e, idx)}
@@ -165,9 +204,11 @@ class WeightMap:
         """Every (entry, stacked index) in HF file order: embeddings, layer by layer, head."""
         flat = [e for e in self.entries if e.stack == 0]
         yield from ((e, ()) for e in flat if e.keys[0].startswith("embedding"))
-        for layer, kind in enumerate(self.spec.layer_types):
+        layers = [(i, kind) for i, kind in enumerate(self.spec.layer_types)]
+        layers += [(i, "mtp") for i in range(self.spec.mtp_num_layers)]
+        for layer, kind in layers:
             for e in self.entries:
-                if e.stack == 0 or e.layer_type not in (None, kind):
+                if e.stack == 0 or not _applies(e, kind):
                     continue
                 if e.stack == 1:
                     yield e, (layer,)
@@ -192,6 +233,8 @@ class WeightMap:
             "v_proj.weight": (s.num_query_groups * d, h),
             "o_proj.weight": (h, s.num_attention_heads * d),
             "q_norm.weight": (d,), "k_norm.weight": (d,),
+            "mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+            "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,),
         }
         if s.is_moe:
             f = s.moe_ffn_hidden_size

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from megatron_rl.config.schema import ModelConfig, ParallelConfig
-from megatron_rl.models.layer_specs import block_spec
+from megatron_rl.models.layer_specs import block_spec, mtp_block_spec
 from megatron_rl.models.logprobs import chunked_logprobs
 from megatron_rl.models.registry import ModelSpec
 
@@ -106,9 +106,12 @@ def build_gpt_model(spec: ModelSpec, model_cfg: ModelConfig, parallel: ParallelC
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(spec, model_cfg, parallel, **config_overrides)
+    use_te = use_transformer_engine(model_cfg)
+    block = block_spec(spec, config, use_te)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(spec, config, use_transformer_engine(model_cfg)),
+        transformer_layer_spec=block,
+        mtp_block_spec=mtp_block_spec(spec, config, block, use_te),
         vocab_size=padded_vocab_size(spec, parallel),
         max_sequence_length=model_cfg.seq_length,
         pre_process=ps.is_pipeline_first_stage(),

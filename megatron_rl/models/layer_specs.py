@@ -140,3 +140,24 @@ def _layer_spec(kind: str, spec: ModelSpec, mlp: Any):
         input_layernorm=RMSNorm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=RMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add,
         sharded_state_dict_keys_map=keys))
+
+
+def mtp_block_spec(spec: ModelSpec, config: Any, block: Any, use_te: bool):
+    """Multi-token-prediction layers (Qwen3.5 ships one), built like the last decoder layer;
+    None when the model has none or this pipeline stage does not hold them."""
+    if not spec.mtp_num_layers:
+        return None
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_mtp_block_spec,
+        get_gpt_mtp_block_spec_for_backend,
+    )
+
+    if use_te:
+        return get_gpt_mtp_block_spec(config, block, use_transformer_engine=True)
+
+    class Local(LocalSpecProvider):
+        def layer_norm(self, *args: Any, **kwargs: Any) -> type:
+            return RMSNorm
+
+    return get_gpt_mtp_block_spec_for_backend(config, block, backend=Local())
