@@ -77,14 +77,10 @@ def main() -> None:
         floor = float(subprocess.run([sys.executable, "-c", FLOOR], capture_output=True,
                                      text=True, check=True).stdout.split()[-1])
         rows = []
-        for nproc in (1, 2):
-            target = tmp / f"mcore{nproc}"
-            secs, out = _run([*cli, "hf-to-megatron", "--hf", str(hf), "--out", str(target),
-                              "--model", str(spec), "--ep", str(nproc)])
-            rss = float(re.search(r"peak RSS per rank (\d+) MB", out).group(1))
-            rows.append((f"HF → torch_dist ({nproc} rank{'s' * (nproc > 1)}, EP{nproc})",
-                         secs, rss))
-        mcore = tmp / "mcore1"
+        secs, out = _run([*cli, "hf-to-megatron", "--hf", str(hf), "--out", str(mcore),
+                          "--model", str(spec)])
+        rss = float(re.search(r"peak RSS (\d+) MB", out).group(1))
+        rows.append(("HF → torch_dist (1 process)", secs, rss))
         secs, out = _run([*cli, "megatron-to-hf", "--ckpt", str(mcore), "--out", str(back),
                           "--model", str(spec), "--max-shard-gb", str(a.shard_mb / 1024)])
         rss = float(re.search(r"peak RSS (\d+) MB", out).group(1))

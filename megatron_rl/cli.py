@@ -6,7 +6,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 from megatron_rl.checkpoint.errors import CheckpointError, HFCheckpointError, WeightMapError
 from megatron_rl.config.loader import ConfigError, load_config, to_yaml
@@ -52,21 +51,13 @@ def _lm_train(args: argparse.Namespace) -> int:
 
 def _convert_hf_to_megatron(args: argparse.Namespace) -> int:
     from megatron_rl.checkpoint.convert import import_hf
-    from megatron_rl.config.schema import ParallelConfig
-    from megatron_rl.distributed.process_groups import min_world_size
+    from megatron_rl.utils.logs import quiet_libraries
 
-    overrides = [f"parallel.{k}={v}" for k, v in (("tp", args.tp), ("pp", args.pp),
-                                                     ("ep", args.ep)) if v]
-    parallel = load_config(None, overrides).parallel if overrides else ParallelConfig()
-    nproc = args.nproc or min_world_size(parallel)
-    t0 = time.time()
-    results = _launch(import_hf, nproc, args.hf, args.out, args.model, overrides, args.dtype)
-    seconds = time.time() - t0
-    size = sum(f.stat().st_size for f in Path(args.out).rglob("*") if f.is_file())
-    worst = max(r["peak_rss_mb"] for r in results)
-    print(f"[convert] {args.hf} -> {args.out} (torch_dist, {nproc} rank(s)): "
-          f"{size / 1e6:.1f} MB in {seconds:.1f}s ({size / 1e6 / seconds:.1f} MB/s), "
-          f"peak RSS per rank {worst:.0f} MB")
+    quiet_libraries()
+    r = import_hf(args.hf, args.out, args.model, dtype=args.dtype)
+    print(f"[convert] {args.hf} -> {args.out} (torch_dist, loads at any TP/PP/EP layout, "
+          f"{r['tensors']} chunks): {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f}s "
+          f"({r['mb_per_s']:.1f} MB/s), peak RSS {r['peak_rss_mb']:.0f} MB")
     return 0
 
 
@@ -129,10 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--hf", required=True, help="HF checkpoint folder")
     h2m.add_argument("--out", required=True, help="torch_dist folder to create")
     h2m.add_argument("--model", required=True, help="registry entry, e.g. qwen3-30b-a3b")
-    h2m.add_argument("--tp", type=int, default=0)
-    h2m.add_argument("--pp", type=int, default=0)
-    h2m.add_argument("--ep", type=int, default=0)
-    h2m.add_argument("--nproc", type=int, default=0, help="ranks (default: from the layout)")
     h2m.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     h2m.set_defaults(func=_convert_hf_to_megatron)
     m2h = csub2.add_parser("megatron-to-hf", help="torch_dist → HF safetensors (streaming)")

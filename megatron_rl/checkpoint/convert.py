@@ -1,15 +1,15 @@
 """HF ⇄ Megatron conversion, GPU-free.
 
-* `load_hf_weights` fills a live Megatron model (any TP/PP/EP layout) from an HF folder: every
-  rank reads only the HF tensors behind its own shards, one at a time.
-* `import_hf` (SPMD, every rank) = build the model at a layout, `load_hf_weights`, save a
-  model-only torch_dist checkpoint that loads at any other layout.
+* `import_hf` (one process, no model) streams an HF folder into a model-only torch_dist
+  checkpoint, one tensor in memory at a time; megatron reshards it to any layout on load.
 * `export_hf` (one process) streams a torch_dist checkpoint layer by layer into safetensors
   shards + index + config + generation config + tokenizer files, in a temp folder it renames.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import resource
 import shutil
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.checkpoint.errors import HFCheckpointError, WeightMapError
+from megatron_rl.checkpoint.errors import WeightMapError
 from megatron_rl.checkpoint.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_tokenizer
 from megatron_rl.checkpoint.weight_map import WeightMap
 from megatron_rl.models.registry import HF_CLASSES, ModelSpec
@@ -30,79 +30,139 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _model_tensors(sharded: dict[str, Any]) -> list:
-    """The ShardedTensors of a model's sharded state dict, swiglu factories expanded."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+def import_hf(hf_dir: str, out_dir: str, model_name: str, dtype: str = "fp32",
+              progress: bool = True) -> dict[str, Any]:
+    """HF folder → model-only torch_dist checkpoint, one tensor in memory at a time.
 
-    out = []
-    for v in nested_values(sharded):
-        if isinstance(v, ShardedTensorFactory):
-            out += [t for t in nested_values(v.build()) if isinstance(t, ShardedTensor)]
-        elif isinstance(v, ShardedTensor):
-            out.append(v)
-    return out
+    No model is built and no process group is needed: the weight map gives every Megatron
+    checkpoint key and its canonical shape, and torch.distributed.checkpoint writes one chunk
+    per (key, layer[, expert]), asking for each chunk's data only when it writes it. Megatron
+    reshards such a checkpoint to any TP/PP/EP layout on load."""
+    import megatron.core.dist_checkpointing as mcore_ckpt  # noqa: F401 (registers strategies)
+    from torch.distributed.checkpoint import FileSystemWriter, save
 
-
-@torch.no_grad()
-def load_hf_weights(module: torch.nn.Module, hf: HFCheckpoint, wmap: WeightMap) -> int:
-    """Copy HF weights into this rank's shards of `module`; returns the tensors filled.
-
-    Megatron's sharding metadata says which (layer, expert) and which TP slice each local
-    parameter holds; the weight map supplies the canonical tensor, the metadata cuts it.
-    """
-    filled, cache_key, canonical = 0, None, []
-    for sh in _model_tensors(module.sharded_state_dict()):
-        stack = sh.prepend_axis_num
-        entry, index, position = wmap.locate(sh.key, tuple(sh.global_offset[:stack]))
-        if (entry.keys, index) != cache_key:  # swiglu halves / GDN sections share one read
-            canonical = wmap.to_megatron(entry, index, hf.get)
-            cache_key = (entry.keys, index)
-        full_shape = tuple(sh.global_shape[stack:])
-        source = canonical[position]
-        if source.shape != full_shape:
-            if not sh.allow_shape_mismatch:
-                raise HFCheckpointError(f"{sh.key}{list(index)}: HF gives {list(source.shape)}, "
-                                        f"the model needs {list(full_shape)}")
-            padded = torch.zeros(full_shape, dtype=source.dtype)  # vocab padding rows
-            padded[: source.shape[0]] = source
-            source = padded
-        cut = tuple(slice(o, o + n) for o, n in zip(sh.global_offset[stack:], sh.local_shape,
-                                                    strict=True))
-        sh.data.copy_(source[cut])
-        filled += 1
-    return filled
-
-
-def import_hf(hf_dir: str, out_dir: str, model_name: str, parallel_overrides: list[str],
-              dtype: str = "fp32") -> dict[str, Any]:
-    """SPMD job body: HF folder → model-only torch_dist checkpoint at `out_dir`."""
-    import torch.distributed as dist
-
-    from megatron_rl.checkpoint.training_checkpoint import layout_info, write_sharded
-    from megatron_rl.config.loader import load_config
-    from megatron_rl.distributed.process_groups import init_model_parallel
-    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.checkpoint.training_checkpoint import write_sharded
     from megatron_rl.models.registry import get_model_spec
 
     t0 = time.time()
-    cfg = load_config(None, [f"model.name={model_name}", f"model.dtype={dtype}",
-                             *parallel_overrides])
     spec = get_model_spec(model_name)
     wmap = WeightMap(spec)
     hf = HFCheckpoint(hf_dir)
     hf.check(wmap, (HF_CLASSES[spec.architecture][1], *_vl_names(spec)))
-    layout = init_model_parallel(cfg.parallel, cfg.train.seed)
-    # every weight is overwritten from HF: skip random init (time, and its full-size temporaries)
-    module = build_gpt_model(spec, cfg.model, cfg.parallel, perform_initialization=False)
-    filled = load_hf_weights(module, hf, wmap)
+    out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    planner = _StreamingImportPlanner(wmap, hf, out_dtype, progress)
+
+    def write(folder: Path) -> None:
+        save({}, storage_writer=FileSystemWriter(str(folder), thread_count=1),
+             planner=planner, no_dist=True)
+        (folder / "metadata.json").write_text(
+            json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+
     out = Path(out_dir)
     info = {"step": 0, "model": spec.name, "contents": ["model"], "source": str(hf_dir),
-            "layout": layout_info(cfg.parallel, layout)}
-    write_sharded({"model": module.sharded_state_dict()}, out.parent, out.name, info,
-                  update_latest=False)
-    return {"rank": dist.get_rank(), "tensors": filled, "seconds": time.time() - t0,
-            "peak_rss_mb": _peak_rss_mb()}
+            "layout": {"world": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "cp": 1, "dp": 1,
+                       "distributed_optimizer": 0}}
+    write_sharded(None, out.parent, out.name, info, update_latest=False, save=write)
+    planner.bar.close()
+    seconds = time.time() - t0
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    return {"tensors": planner.written, "bytes": size, "seconds": seconds,
+            "mb_per_s": size / 1e6 / max(seconds, 1e-9), "peak_rss_mb": _peak_rss_mb()}
+
+
+COMMON_STATE = "common_state/shard_0_1"  # megatron's ShardedObject("common_state").unique_key
+
+
+class _StreamingImportPlanner:
+    """A torch.distributed.checkpoint SavePlanner whose items are (key, layer[, expert])
+    chunks computed from the HF folder on demand (`resolve_data`), never all at once."""
+
+    def __init__(self, wmap: WeightMap, hf: HFCheckpoint, dtype: torch.dtype, progress: bool):
+        from tqdm import tqdm
+
+        self.wmap, self.hf, self.dtype = wmap, hf, dtype
+        # (key, chunk offsets) → (entry, logical index, position in entry.keys, chunk size)
+        self.chunks: dict[tuple[str, tuple[int, ...]], tuple[Any, tuple[int, ...], int,
+                                                            tuple[int, ...]]] = {}
+        self.sizes: dict[str, tuple[int, ...]] = {}
+        shape_of = {n: torch.Size(s) for n, s in wmap.hf_shapes().items()}
+        meta = lambda name: torch.empty(shape_of[name], device="meta")  # noqa: E731
+        for entry, index in wmap.units():
+            shapes = [t.shape for t in wmap.to_megatron(entry, index, meta)]
+            lead = self._leading(entry, index)
+            for position, key in enumerate(wmap.checkpoint_keys(entry, index)):
+                shape = tuple(shapes[position])
+                offsets = (*lead, *(0,) * len(shape))
+                self.chunks[(key, offsets)] = (entry, index, position, (1,) * len(lead) + shape)
+                self.sizes[key] = self._global_size(entry, shape)
+        self.cache_key, self.cache = None, []
+        self.written = 0
+        self.bar = tqdm(total=len(self.chunks), desc="import", unit="tensor", disable=not progress,
+                        file=sys.stderr)
+
+    def _leading(self, entry, index: tuple[int, ...]) -> tuple[int, ...]:
+        """Offsets on the stacked axes: (layer,) when layers are stacked, then (expert,)."""
+        lead = index[:1] if self.wmap.has_layer_axis(entry) else ()
+        return lead + (index[1:] if entry.stack == 2 else ())
+
+    def _global_size(self, entry, shape: torch.Size) -> tuple[int, ...]:
+        spec = self.wmap.spec
+        lead = (spec.num_layers,) if self.wmap.has_layer_axis(entry) else ()
+        lead += (spec.num_experts,) if entry.stack == 2 else ()
+        return (*lead, *shape)
+
+    # -- SavePlanner protocol ------------------------------------------------------------------
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = True) -> None:
+        pass
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import (
+            SavePlan,
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
+
+        items = [WriteItem(
+            index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(chunk)),
+                properties=TensorProperties(dtype=self.dtype), size=torch.Size(self.sizes[key])))
+            for (key, offsets), (*_, chunk) in self.chunks.items()]
+        # megatron's (empty) common state, stored as its torch_dist writer stores it
+        items.append(WriteItem(index=MetadataIndex(COMMON_STATE), type=WriteItemType.BYTE_IO))
+        return SavePlan(items)
+
+    def create_global_plan(self, plans):
+        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+        plans, metadata = create_default_global_save_plan(plans, rewrite_index_hints=False)
+        self.metadata = metadata
+        return plans, metadata
+
+    def finish_plan(self, plan):
+        return plan
+
+    def resolve_data(self, item) -> torch.Tensor | io.BytesIO:
+        if item.index.fqn == COMMON_STATE:
+            buffer = io.BytesIO()
+            torch.save([{}], buffer)  # as megatron writes it: a one-item list
+            buffer.seek(0)
+            return buffer
+        key, offsets = item.index.fqn, tuple(item.index.offset)
+        entry, index, position, chunk = self.chunks[(key, offsets)]
+        if (entry.keys, index) != self.cache_key:  # GDN sections / q,k,v share one HF read
+            self.cache = self.wmap.to_megatron(entry, index, self.hf.get)
+            self.cache_key = (entry.keys, index)
+        tensor = self.cache[position].to(self.dtype).contiguous()
+        self.written += 1
+        self.bar.update(1)
+        return tensor.reshape(chunk)
 
 
 def _vl_names(spec: ModelSpec) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ import random
 import shutil
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -249,9 +250,11 @@ def save_checkpoint(actor, root: str | Path, progress: dict[str, Any] | None = N
     return write_sharded(state, Path(root), f"step_{actor.step:06d}", info, keep_last)
 
 
-def write_sharded(state: dict[str, Any], root: Path, name: str, info: dict[str, Any],
-                  keep_last: int | None = None, update_latest: bool = True) -> Path:
-    """Save a sharded state dict as `root/name` atomically, with a manifest; update `latest`."""
+def write_sharded(state: dict[str, Any] | None, root: Path, name: str, info: dict[str, Any],
+                  keep_last: int | None = None, update_latest: bool = True,
+                  save: Callable[[Path], None] | None = None) -> Path:
+    """Save a sharded state dict as `root/name` atomically, with a manifest; update `latest`.
+    `save(folder)` replaces megatron's writer (e.g. a streaming converter writing the files)."""
     from megatron.core import dist_checkpointing
 
     t0 = time.time()
@@ -261,7 +264,10 @@ def write_sharded(state: dict[str, Any], root: Path, name: str, info: dict[str, 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    dist_checkpointing.save(state, str(tmp))
+    if save is not None:
+        save(tmp)
+    else:
+        dist_checkpointing.save(state, str(tmp))
     _barrier()
     _write_manifest(tmp, info)
     if _rank() == 0:
@@ -318,10 +324,17 @@ def load_checkpoint(actor, path: str | Path, *, optimizer: bool = True, rng: boo
             state, str(folder), strict=StrictHandling.RETURN_ALL)
     except Exception as e:  # megatron raises many types; name the folder
         raise CheckpointError(f"cannot load {folder}: {type(e).__name__}: {e}") from e
+    # `_extra_state` (TE's FP8 scaling history; None for local layers) may be absent, e.g.
+    # from an HF import: modules then keep their freshly built state
+    absent = sorted(k for k in absent if "_extra_state" not in k)
     if absent:
-        shown = ", ".join(sorted(absent)[:8])
+        shown = ", ".join(absent[:8])
         raise CheckpointError(f"{folder} lacks {len(absent)} tensors the model needs: {shown}")
-    actor.model[0].module.load_state_dict(loaded["model"])
+    result = actor.model[0].module.load_state_dict(loaded["model"], strict=False)
+    wrong = [k for k in (*result.missing_keys, *result.unexpected_keys)
+             if not k.endswith("_extra_state")]
+    if wrong:
+        raise CheckpointError(f"{folder}: state does not fit the model: {wrong[:8]}")
     if optimizer:
         from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
         from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject

@@ -6,8 +6,8 @@ Transformer-Engine layer specs (TE's grouped-GEMM experts save under the same ke
 local SequentialMLP), and per-layer / per-expert tensors are stacked on leading axes
 (`decoder.layers.<key>` has a layer axis; routed experts add an expert axis). A Megatron tensor
 here is the canonical TP1 tensor of one (layer[, expert]); TP/EP slicing is done by megatron's
-own sharding metadata, so this table is used unchanged by offline conversion, by loading HF
-weights into a running model at any layout, and by weight sync into rollout engines.
+own sharding metadata, so this table is used unchanged by offline conversion (both ways) and
+by weight sync into rollout engines.
 
 An `Entry` ties one group of Megatron keys to one group of HF tensors:
   copy       1 key ⇄ 1 tensor
