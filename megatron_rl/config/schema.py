@@ -6,7 +6,7 @@ validate any field generically and name it in the error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -84,6 +84,130 @@ class CheckpointConfig:
                           help="integrity check of every file on load")
 
 
+ENGINE_KINDS = ("embedded", "sglang")
+
+
+@dataclass
+class AuxPoolConfig:
+    """An auxiliary engine pool (judge, summarizer) placed beside the policy engines and handed
+    to its callers as OpenAI-compatible base URLs (`http://IP:PORT/v1`)."""
+
+    model_path: str | None = bounded(None, help="HF model dir; None = rollout.model_path")
+    engine: str = bounded("embedded", choices=ENGINE_KINDS)
+    num_engines: int = bounded(1, ge=1)
+    engine_cpus: float = bounded(1.0, ge=0, help="CPUs in each engine's bundle")
+    engine_gpus: int = bounded(0, ge=0, help="GPUs in each engine's bundle (its TP size)")
+    served_model_name: str = bounded("default", help="the `model` name its /v1 API reports")
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout engines and their Ray placement (docs/placement.md).
+
+    Trainer ranks get `trainer_ranks` bundles of {CPU: trainer_cpus[, GPU: trainer_gpus]}.
+    `colocated`: policy engines live in those bundles (GPU: their memory is released while the
+    trainer steps; CPU: time-sharing). `disaggregated`: each engine gets its own bundle of
+    {CPU: engine_cpus[, GPU: engine_gpus]}. Aux pools always get their own bundles.
+    """
+
+    engine: str = bounded("embedded", choices=ENGINE_KINDS)
+    model_path: str | None = bounded(None, help="HF model dir the engines serve; None = "
+                                                "model.name with random weights (embedded)")
+    num_engines: int = bounded(1, ge=1)
+    layout: str = bounded("disaggregated", choices=("colocated", "disaggregated"))
+    routing: str = bounded("least_loaded", choices=("round_robin", "least_loaded"))
+    trainer_ranks: int = bounded(1, ge=1, help="one bundle per trainer rank")
+    trainer_cpus: float = bounded(1.0, ge=0)
+    trainer_gpus: int = bounded(0, ge=0)
+    engine_cpus: float = bounded(1.0, ge=0)
+    engine_gpus: int = bounded(0, ge=0, help="GPUs per engine (its TP size); 0 = CPU")
+    placement_strategy: str = bounded("PACK", choices=("PACK", "SPREAD", "STRICT_PACK",
+                                                       "STRICT_SPREAD"))
+    ray_address: str | None = bounded(None, help="None = start a local Ray; 'auto' or "
+                                                 "host:port = attach")
+    node_ip: str | None = bounded(None, help="this node's IP for Ray and the engines; "
+                                             "None (and no nic) = 127.0.0.1")
+    nic: str | None = bounded(None, help="network interface whose IPv4 is the node IP")
+    bucket_mb: int = bounded(512, ge=1, help="weight-update bucket size")
+    max_batch_size: int = bounded(32, ge=1, help="embedded engine: running requests")
+    max_restarts: int = bounded(5, ge=0, help="engine process restarts per engine")
+    health_interval_s: float = bounded(2.0, gt=0, help="how often an idle engine is checked")
+    startup_timeout_s: float = bounded(600.0, gt=0)
+    persist_weight_updates: bool = bounded(True, help="keep weight updates sent through the "
+                                                      "pool on disk, to replay after a restart")
+    state_dir: str | None = bounded(None, help="engine logs and kept weight updates; "
+                                               "None = a temp dir")
+    aux_pools: dict[str, AuxPoolConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # also validates direct construction (the loader only checks what it parses) and turns
+        # aux-pool mappings from YAML into AuxPoolConfig
+        from megatron_rl.config.loader import ConfigError, _check_bounds, from_dict
+
+        for f in fields(self):
+            _check_bounds(f"rollout.{f.name}", getattr(self, f.name), f.metadata)
+        if not isinstance(self.aux_pools, dict):
+            raise ConfigError(f"rollout.aux_pools={self.aux_pools!r}: expected a mapping")
+        pools: dict[str, AuxPoolConfig] = {}
+        for name, pool in self.aux_pools.items():
+            where = f"rollout.aux_pools.{name}"
+            if not (isinstance(name, str) and name.replace("_", "").replace("-", "").isalnum()):
+                raise ConfigError(f"{where}: pool names are letters, digits, '_' and '-'")
+            if isinstance(pool, AuxPoolConfig):
+                for f in fields(pool):
+                    _check_bounds(f"{where}.{f.name}", getattr(pool, f.name), f.metadata)
+            else:
+                pool = from_dict(AuxPoolConfig, pool, f"{where}.")
+            if pool.model_path is None and self.model_path is None:
+                raise ConfigError(f"{where}.model_path: required when rollout.model_path is "
+                                  "not set")
+            if pool.engine == "sglang" and pool.engine_gpus < 1:
+                raise ConfigError(f"{where}.engine_gpus={pool.engine_gpus}: engine=sglang "
+                                  "needs >= 1")
+            pools[name] = pool
+        self.aux_pools = pools
+        if self.node_ip is not None and self.nic is not None:
+            raise ConfigError("rollout.nic: set rollout.node_ip or rollout.nic, not both")
+        if self.node_ip is not None:
+            import ipaddress
+
+            try:
+                ipaddress.IPv4Address(self.node_ip)
+            except ValueError:
+                raise ConfigError(f"rollout.node_ip={self.node_ip!r}: not an IPv4 address"
+                                  ) from None
+        if self.engine == "sglang":
+            if self.model_path is None:
+                raise ConfigError("rollout.model_path: engine=sglang needs a model directory")
+            if self.engine_gpus < 1:
+                raise ConfigError(f"rollout.engine_gpus={self.engine_gpus}: engine=sglang "
+                                  "needs >= 1")
+        if self.layout == "colocated":
+            self._check_colocated()
+
+    def _check_colocated(self) -> None:
+        from megatron_rl.config.loader import ConfigError
+
+        if (self.engine_gpus > 0) != (self.trainer_gpus > 0):
+            raise ConfigError(f"rollout.engine_gpus={self.engine_gpus}: colocated engines share "
+                              f"the trainer's bundles (rollout.trainer_gpus="
+                              f"{self.trainer_gpus}); both must be 0 or both > 0")
+        if self.engine_gpus == 0:
+            if self.num_engines > self.trainer_ranks:
+                raise ConfigError(f"rollout.num_engines={self.num_engines}: colocated on CPU "
+                                  f"is at most one engine per trainer bundle "
+                                  f"(rollout.trainer_ranks={self.trainer_ranks})")
+            return
+        if self.engine_gpus % self.trainer_gpus:
+            raise ConfigError(f"rollout.engine_gpus={self.engine_gpus}: must be a multiple of "
+                              f"rollout.trainer_gpus={self.trainer_gpus} (an engine spans whole "
+                              "trainer bundles)")
+        if self.num_engines * self.engine_gpus > self.trainer_ranks * self.trainer_gpus:
+            raise ConfigError(f"rollout.num_engines={self.num_engines}: {self.num_engines} x "
+                              f"{self.engine_gpus} GPUs exceed the trainer's "
+                              f"{self.trainer_ranks} x {self.trainer_gpus}")
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -91,6 +215,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def check(self) -> None:
         """Cross-field rules the per-field metadata cannot express."""
