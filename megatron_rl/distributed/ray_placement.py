@@ -82,18 +82,22 @@ def init_ray(cfg: RolloutConfig | None = None, *, address: str | None = None,
              **ray_kwargs: Any) -> str:
     """Start a local Ray head (address None) or attach to a cluster; returns the node IP.
 
-    Arguments override `cfg` (`rollout.ray_address`, `rollout.node_ip`, `rollout.nic`). With
-    a loopback IP every Ray process listens on that IP only. If Ray is already initialised in
-    this process, nothing is started and its node IP is returned.
+    Arguments override `cfg` (`rollout.ray_address`, `rollout.node_ip`, `rollout.nic`). A local
+    head runs on `node_ip` / the IPv4 of `nic` / 127.0.0.1; with a loopback IP every Ray process
+    listens on that IP only. If Ray is already initialised in this process, nothing is started
+    and its node IP is returned.
     """
     cfg = cfg or RolloutConfig()
     if node_ip is None and nic is None:
         node_ip, nic = cfg.node_ip, cfg.nic
-    ip = resolve_node_ip(node_ip, nic)
     address = address if address is not None else cfg.ray_address
+    # a local head defaults to loopback; a driver joining a cluster lets Ray pick its IP
+    # unless one is named
+    ip = (resolve_node_ip(node_ip, nic) if node_ip is not None or nic is not None
+          else LOOPBACK if address is None else None)
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
-    if is_loopback(ip) and address is None:
+    if ip is not None and is_loopback(ip) and address is None:
         # read by Ray at import; set both the variable (child processes) and the constant
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray._private.ray_constants as ray_constants
@@ -103,13 +107,15 @@ def init_ray(cfg: RolloutConfig | None = None, *, address: str | None = None,
 
     if ray.is_initialized():
         return ray.util.get_node_ip_address()
-    kw: dict[str, Any] = dict(include_dashboard=False, _node_ip_address=ip,
-                              logging_level=logging.WARNING, **ray_kwargs)
+    kw: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING,
+                              **ray_kwargs)
+    if ip is not None:
+        kw["_node_ip_address"] = ip
     if address is None:  # resources are only ours to declare when we start the head
         kw.update(num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory)
     ray.init(address=address, **kw)
     got = ray.util.get_node_ip_address()
-    if got != ip:
+    if ip is not None and got != ip:
         ray.shutdown()
         raise RuntimeError(f"Ray runs on {got}, not the requested node IP {ip}")
     return got

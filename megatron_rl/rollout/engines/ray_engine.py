@@ -606,6 +606,8 @@ class EnginePool:
                 continue
             try:
                 ray.get(a.close.remote(), timeout=60)
+            except ray.exceptions.RayActorError:
+                pass  # already gone, and its server with it (die_with_parent)
             except ray.exceptions.RayError:
                 log.exception("closing engine %s-%d", self.name, i)
             ray.kill(a)
