@@ -243,6 +243,8 @@ class EngineActor:
             except EngineError:
                 log.exception("engine %s cannot be restarted", self.name)
                 return
+            except Exception:  # a bug must not end the watch
+                log.exception("engine %s: restart failed", self.name)
 
     async def _recover(self, epoch: int, cause: str) -> None:
         """Restart the server (unless someone did since `epoch`) and restore its state."""
@@ -265,7 +267,7 @@ class EngineActor:
                         await loop.run_in_executor(self._thread, self.server.restart)
                         await self._restore()
                         break
-                    except (RuntimeError, EngineError) as e:  # failed start: try again
+                    except Exception as e:  # a failed start or restore: start again
                         cause = f"failed to restart: {e}"
                         log.warning("engine %s %s", self.name, cause)
                 self.counters["restarts"] += 1
