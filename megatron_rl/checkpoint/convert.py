@@ -85,10 +85,8 @@ class _StreamingImportPlanner:
         self.chunks: dict[tuple[str, tuple[int, ...]], tuple[Any, tuple[int, ...], int,
                                                             tuple[int, ...]]] = {}
         self.sizes: dict[str, tuple[int, ...]] = {}
-        shape_of = {n: torch.Size(s) for n, s in wmap.hf_shapes().items()}
-        meta = lambda name: torch.empty(shape_of[name], device="meta")  # noqa: E731
         for entry, index in wmap.units():
-            shapes = [t.shape for t in wmap.to_megatron(entry, index, meta)]
+            shapes = wmap.megatron_shapes(entry, index)
             lead = self._leading(entry, index)
             for position, key in enumerate(wmap.checkpoint_keys(entry, index)):
                 shape = tuple(shapes[position])

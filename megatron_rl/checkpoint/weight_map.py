@@ -265,6 +265,14 @@ class WeightMap:
             shapes[name] = per[max((k for k in per if generic.endswith(k)), key=len)]
         return shapes
 
+    def megatron_shapes(self, entry: Entry, index: tuple[int, ...]) -> list[torch.Size]:
+        """Canonical shapes of `entry`'s Megatron tensors (one per key), computed on meta
+        tensors: no weight is read."""
+        if not hasattr(self, "_hf_shapes"):
+            self._hf_shapes = self.hf_shapes()
+        return [t.shape for t in self.to_megatron(
+            entry, index, lambda n: torch.empty(self._hf_shapes[n], device="meta"))]
+
     # -- conversion ----------------------------------------------------------------------------
     def _split_sizes(self) -> list[int]:
         la = self.spec.linear_attention

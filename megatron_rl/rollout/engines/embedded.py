@@ -641,6 +641,7 @@ class EmbeddedServer:
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._startup_error: BaseException | None = None
+        self._groups: dict[str, Any] = {}  # weight-update broadcast groups by name
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kw: Any) -> EmbeddedServer:
@@ -735,9 +736,9 @@ class EmbeddedServer:
         r.add_post("/update_weights_from_tensor", self._update_from_tensor)
         r.add_post("/update_weights_from_disk", self._update_from_disk)
         r.add_post("/update_weight_version", self._update_version)
-        for path in ("/init_weights_update_group", "/update_weights_from_distributed",
-                     "/destroy_weights_update_group"):
-            r.add_post(path, self._no_distributed)
+        r.add_post("/init_weights_update_group", self._init_group)
+        r.add_post("/update_weights_from_distributed", self._update_from_distributed)
+        r.add_post("/destroy_weights_update_group", self._destroy_group)
         for path, fn in (("/release_memory_occupation", self._release),
                          ("/resume_memory_occupation", self._resume),
                          ("/flush_cache", self._flush)):
@@ -897,9 +898,66 @@ class EmbeddedServer:
                                   "message": f"Weight version updated to "
                                              f"{self.core.weight_version}"})
 
-    async def _no_distributed(self, request: web.Request) -> web.Response:
-        raise BadRequest(f"{request.path}: the embedded engine has no NCCL weight-update group; "
-                         "use /update_weights_from_tensor or /update_weights_from_disk")
+    # The trainer's rank 0 and this server form a broadcast group of their own (the trainer at
+    # rank 0, this server at `rank_offset`); on CPU it is gloo, as the trainer's side is.
+    async def _init_group(self, request: web.Request) -> web.Response:
+        import datetime
+
+        import torch.distributed as dist
+
+        body = await _json_body(request)
+        host = _typed(body, "master_address", "str", None, "")
+        port = _typed(body, "master_port", "int", None, "")
+        rank = _typed(body, "rank_offset", "int", None, "")
+        world = _typed(body, "world_size", "int", None, "")
+        name = body.get("group_name", "weight_update_group")
+        if body.get("backend", "gloo") != "gloo":
+            raise BadRequest(f"backend: {body.get('backend')!r} needs a GPU; the embedded "
+                             "engine joins gloo groups")
+        if None in (host, port, rank, world) or not 0 < rank < world:
+            raise BadRequest("master_address, master_port, rank_offset (1..world_size-1) and "
+                             "world_size are required")
+        timeout = datetime.timedelta(seconds=300)
+
+        def join() -> Any:
+            store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+            return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+        self._groups[name] = await asyncio.get_running_loop().run_in_executor(None, join)
+        return web.json_response({"success": True, "message": "Succeeded to initialize group."})
+
+    async def _update_from_distributed(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        name = body.get("group_name", "weight_update_group")
+        group = self._groups.get(name)
+        if group is None:
+            raise BadRequest(f"group_name: no weight-update group {name!r}; call "
+                             "/init_weights_update_group first")
+        names, dtypes, shapes = (body.get(k) for k in ("names", "dtypes", "shapes"))
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes) and names):
+            raise BadRequest("names, dtypes, shapes: non-empty lists of equal length")
+        try:
+            empty = [torch.empty(shape, dtype=getattr(torch, d))
+                     for shape, d in zip(shapes, dtypes, strict=True)]
+        except (AttributeError, TypeError, RuntimeError) as e:
+            raise BadRequest(f"dtypes/shapes: {e}") from None
+
+        def receive() -> None:
+            for t in empty:
+                group.broadcast(t, 0).wait()
+
+        await asyncio.get_running_loop().run_in_executor(None, receive)
+        version = body.get("weight_version")
+        await self._abort_all_if_asked(body)
+        named = list(zip(names, empty, strict=True))
+        await self._call(lambda: self.core.load_weights(named, version))
+        return web.json_response({"success": True, "message": "Succeeded to update weights."})
+
+    async def _destroy_group(self, request: web.Request) -> web.Response:
+        body = await _json_body(request, required=False)
+        self._groups.pop(body.get("group_name", "weight_update_group"), None)
+        return web.json_response({"success": True, "message": "Succeeded to destroy group."})
 
     async def _release(self, request: web.Request) -> web.Response:
         await self._call(self.core.release)

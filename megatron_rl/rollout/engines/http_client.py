@@ -225,17 +225,18 @@ class HttpEngine:
         return [encode_safetensors(bucket, self.flattened)] * self.num_tp_payloads
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                                          weight_version: int) -> None:
+                                          weight_version: int | None) -> None:
         """Send HF-named tensors in buckets; the version is set with the last bucket only, so
-        tokens generated between buckets keep the old version. `named_tensors` is consumed
-        lazily (e.g. a generator gathering from the trainer): at most two buckets are held."""
+        tokens generated between buckets keep the old version (None: leave it; a caller that
+        buckets itself sets it with its last call). `named_tensors` is consumed lazily (e.g. a
+        generator gathering from the trainer): at most two buckets are held."""
 
         async def send(bucket: list[tuple[str, torch.Tensor]], last: bool) -> None:
             body: dict[str, Any] = {"serialized_named_tensors": self._serialize(bucket),
                                     "flush_cache": last, "abort_all_requests": False}
             if self.flattened:
                 body["load_format"] = FLATTENED
-            if last:
+            if last and weight_version is not None:
                 body["weight_version"] = str(weight_version)
             await self.request("POST", "/update_weights_from_tensor", body)
 
@@ -244,13 +245,14 @@ class HttpEngine:
             if held is not None:
                 await send(held, last=False)
             held = bucket
-        if held is None:  # no tensors: only the version moves
+        if held is not None:
+            await send(held, last=True)
+        elif weight_version is not None:  # no tensors: only the version moves
             await self.request("POST", "/update_weight_version",
                                {"new_version": str(weight_version),
                                 "abort_all_requests": False})
-        else:
-            await send(held, last=True)
-        self._weight_version = weight_version
+        if weight_version is not None:
+            self._weight_version = weight_version
 
     async def update_weights_from_disk(self, path: str, weight_version: int,
                                        load_format: str | None = None) -> None:

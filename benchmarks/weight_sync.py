@@ -1,0 +1,106 @@
+"""Weight-sync throughput: a full trainer → engine sync of a CPU-sized MoE vs a plain memcpy.
+
+One process is the trainer (Megatron, world size 1, the local spec); the engine is the embedded
+server, run as its own process. Each transport syncs every weight (HF names, fp32) and is timed
+end to end; the same bytes are memcpy'd in one buffer for the reference. Prints bytes/s of each
+and the ratio, plus the time split: gather (shards → canonical tensors) / convert (HF layout) /
+transfer (serialise, send, engine load).
+
+    python benchmarks/weight_sync.py [--layers 6 --hidden 512 --experts 16 --bucket-mb 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _spec_yaml(a: argparse.Namespace) -> str:
+    return f"""architecture: qwen3_moe
+hidden_size: {a.hidden}
+num_layers: {a.layers}
+num_attention_heads: 8
+num_query_groups: 2
+head_dim: {a.hidden // 8}
+ffn_hidden_size: {a.hidden * 2}
+vocab_size: {a.vocab}
+num_experts: {a.experts}
+moe_router_topk: 2
+moe_ffn_hidden_size: {a.hidden}
+"""
+
+
+def _memcpy_bytes_per_s(nbytes: int, repeats: int = 3) -> float:
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--bucket-mb", type=int, default=512)
+    p.add_argument("--transports", default="tensor,distributed,disk")
+    a = p.parse_args()
+
+    from megatron_rl.checkpoint.convert import export_hf
+    from megatron_rl.checkpoint.training_checkpoint import save_checkpoint
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.distributed.process_groups import init_distributed
+    from megatron_rl.rollout.weight_sync import gatherer_for, sync_weights
+    from megatron_rl.trainer.actor import MegatronActor
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        spec = tmp / "bench-moe.yaml"
+        spec.write_text(_spec_yaml(a))
+        init_distributed("gloo")
+        actor = MegatronActor(load_config(None, [f"model.name={spec}", "model.seq_length=64",
+                                                 "train.global_batch_size=1",
+                                                 "train.micro_batch_size=1"]))
+        save_checkpoint(actor, tmp / "ckpt")
+        export_hf(str(tmp / "ckpt"), str(tmp / "hf"), str(spec), progress=False)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "megatron_rl.rollout.engines.embedded", "--model",
+             str(tmp / "hf"), "--port", "0"], stdout=subprocess.PIPE, text=True)
+        try:
+            url = next(line for line in server.stdout if "http://" in line).split()[-1]
+            gatherer = gatherer_for(actor)
+            rows = []
+            for i, transport in enumerate(a.transports.split(",")):
+                t0 = time.perf_counter()
+                stats = sync_weights(gatherer, [url], i + 1, transport=transport,
+                                     bucket_bytes=a.bucket_mb << 20, disk_dir=str(tmp / "disk"))
+                rows.append((transport, time.perf_counter() - t0, stats))
+        finally:
+            server.terminate()
+            server.wait()
+        nbytes = rows[0][2].bytes
+        memcpy = _memcpy_bytes_per_s(nbytes)
+    print(f"model: {a.layers} layers, hidden {a.hidden}, {a.experts} experts; "
+          f"{nbytes / 1e6:.0f} MB of weights ({rows[0][2].tensors} HF tensors); "
+          f"bucket {a.bucket_mb} MB; memcpy {memcpy / 1e9:.2f} GB/s")
+    print(f"{'transport':12s} {'seconds':>8s} {'MB/s':>8s} {'÷ memcpy':>9s} "
+          f"{'gather':>7s} {'convert':>8s} {'transfer':>9s}")
+    for transport, secs, s in rows:
+        rate = s.bytes / secs
+        print(f"{transport:12s} {secs:8.2f} {rate / 1e6:8.0f} {rate / memcpy:9.3f} "
+              f"{s.gather_s:7.2f} {s.convert_s:8.2f} {s.transfer_s:9.2f}")
+
+
+if __name__ == "__main__":
+    main()

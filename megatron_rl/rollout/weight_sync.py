@@ -1,0 +1,261 @@
+"""Weight sync: the trainer's Megatron shards → full HF-named tensors → rollout engines.
+
+Gather. Every trainer rank walks the weight map's units in the same order, one layer at a time.
+For each layer it fills a flat buffer with only the chunks it owns as *main replica* (megatron's
+own sharding metadata says which layer, expert and TP slice each local parameter is) and the
+buffers are summed onto rank 0: one collective per layer, correct for any TP/PP/EP/DP layout.
+Rank 0 converts the layer to HF names with the same `WeightMap` the converters use.
+
+Transfer. Rank 0 streams the HF tensors, in buckets, to every engine, over one of:
+  tensor       `/update_weights_from_tensor` (the colocated path; values over HTTP here)
+  distributed  a broadcast group between rank 0 and the engines (`/init_weights_update_group`
+               + `/update_weights_from_distributed`; gloo on CPU, NCCL on GPU)
+  disk         safetensors shards in a folder + `/update_weights_from_disk`
+Every update carries a `weight_version`; engines stamp it on each token they generate after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.checkpoint.weight_map import Entry, WeightMap
+from megatron_rl.models.registry import ModelSpec
+from megatron_rl.rollout.engines.http_client import HttpEngine
+from megatron_rl.rollout.engines.tensors import split_buckets
+
+TRANSPORTS = ("tensor", "distributed", "disk")
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclass
+class SyncStats:
+    """Where a sync's time went (rank 0's view)."""
+
+    gather_s: float = 0.0     # filling layer buffers + the cross-rank reduction
+    convert_s: float = 0.0    # Megatron → HF layout and dtype
+    transfer_s: float = 0.0   # everything after conversion: serialise, send, engine load
+    bytes: int = 0
+    tensors: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.gather_s + self.convert_s + self.transfer_s
+
+
+def _sharded_tensors(module: torch.nn.Module) -> list:
+    """The model's ShardedTensors, factories (fused fc1 halves, GDN sections) expanded; their
+    `.data` are views of the live parameters."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = []
+    for v in nested_values(module.sharded_state_dict()):
+        if isinstance(v, ShardedTensorFactory):
+            out += [t for t in nested_values(v.build()) if isinstance(t, ShardedTensor)]
+        elif isinstance(v, ShardedTensor):
+            out.append(v)
+    return out
+
+
+class WeightGatherer:
+    """Collective iterator over the full HF-named weights of a (sharded) Megatron model."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module], spec: ModelSpec,
+                 padded_vocab: int, group: Any = None):
+        from megatron.core.dist_checkpointing.mapping import is_main_replica
+
+        self.spec, self.wmap, self.group = spec, WeightMap(spec), group
+        self.padded_vocab = padded_vocab
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        # (checkpoint key, logical index) → [(local data, offsets, sizes)] owned by this rank
+        self.local: dict[tuple[str, tuple[int, ...]], list[tuple[torch.Tensor, tuple, tuple]]] = {}
+        for module in modules:
+            for sh in _sharded_tensors(module):
+                if not is_main_replica(sh.replica_id):
+                    continue
+                stack = sh.prepend_axis_num
+                entry, index, position = self.wmap.locate(sh.key, tuple(sh.global_offset[:stack]))
+                key = self.wmap.checkpoint_keys(entry, index)[position]
+                self.local.setdefault((key, index), []).append(
+                    (sh.data, tuple(sh.global_offset[stack:]), tuple(sh.local_shape)))
+        groups: dict[Any, list[tuple[Entry, tuple[int, ...]]]] = {}
+        for entry, index in self.wmap.units():
+            groups.setdefault(("layer", entry.layer_type == "mtp", index[0]) if index
+                              else entry.keys, []).append((entry, index))
+        self.groups = list(groups.values())
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if torch.cuda.is_available() else torch.device("cpu"))
+        self.stats = SyncStats()
+
+    def _shape(self, key: str, shape: torch.Size) -> tuple[int, ...]:
+        return (self.padded_vocab, *shape[1:]) if key in VOCAB_KEYS else tuple(shape)
+
+    @torch.no_grad()
+    def hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank must exhaust this iterator (it runs one reduction per layer); only rank 0
+        yields (HF name, full tensor) pairs."""
+        self.stats = SyncStats()
+        for group in self.groups:
+            t0 = time.perf_counter()
+            slots = []  # (entry, index, [(key, offset, shape)])
+            total = 0
+            for entry, index in group:
+                keys = self.wmap.checkpoint_keys(entry, index)
+                shapes = self.wmap.megatron_shapes(entry, index)
+                parts = []
+                for key, shape in zip(keys, shapes, strict=True):
+                    shape = self._shape(key, shape)
+                    parts.append((key, total, shape))
+                    total += torch.Size(shape).numel()
+                slots.append((entry, index, parts))
+            flat = torch.zeros(total, dtype=torch.float32, device=self.device)
+            for _, index, parts in slots:
+                for key, offset, shape in parts:
+                    full = flat[offset:offset + torch.Size(shape).numel()].view(shape)
+                    for data, offsets, sizes in self.local.get((key, index), ()):
+                        region = tuple(slice(o, o + n) for o, n in zip(offsets, sizes,
+                                                                      strict=True))
+                        full[region].copy_(data)
+            if self.world > 1:
+                dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=self.group)
+            t1 = time.perf_counter()
+            self.stats.gather_s += t1 - t0
+            if self.rank != 0:
+                continue
+            for entry, index, parts in slots:
+                tensors = []
+                for key, offset, shape in parts:
+                    t = flat[offset:offset + torch.Size(shape).numel()].view(shape)
+                    tensors.append(t[: self.spec.vocab_size] if key in VOCAB_KEYS else t)
+                for name, t in self.wmap.to_hf(entry, index, tensors).items():
+                    t = t.to(dtype) if dtype is not None else t
+                    self.stats.tensors += 1
+                    self.stats.bytes += t.numel() * t.element_size()
+                    t2 = time.perf_counter()
+                    self.stats.convert_s += t2 - t1
+                    yield name, t
+                    t1 = time.perf_counter()
+
+
+def gatherer_for(actor: Any) -> WeightGatherer:
+    from megatron_rl.models.builder import padded_vocab_size
+
+    return WeightGatherer([m.module for m in actor.model], actor.spec,
+                          padded_vocab_size(actor.spec, actor.cfg.parallel))
+
+
+def sync_weights(gatherer: WeightGatherer, urls: Sequence[str], weight_version: int, *,
+                 transport: str = "tensor", bucket_bytes: int = 512 << 20,
+                 dtype: torch.dtype | None = None, disk_dir: str | None = None,
+                 master_address: str = "127.0.0.1", timeout_s: float = 600.0) -> SyncStats:
+    """Collective over the trainer ranks: push the current weights to every engine in `urls`
+    with `weight_version`. Returns rank 0's timing split (other ranks: gather time only)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
+    t_start = time.perf_counter()
+    tensors = gatherer.hf_tensors(dtype)
+    if gatherer.rank != 0:
+        for _ in tensors:  # take part in the reductions
+            pass
+        return gatherer.stats
+    engines = [HttpEngine(u, bucket_bytes=bucket_bytes, timeout_s=timeout_s) for u in urls]
+    if transport == "tensor":
+        asyncio.run(_push_tensors(engines, tensors, weight_version, bucket_bytes))
+    elif transport == "disk":
+        _push_disk(engines, tensors, weight_version, disk_dir)
+    else:
+        asyncio.run(_push_distributed(engines, tensors, weight_version, bucket_bytes,
+                                      master_address, timeout_s))
+    stats = gatherer.stats
+    stats.transfer_s = time.perf_counter() - t_start - stats.gather_s - stats.convert_s
+    return stats
+
+
+def _buckets(tensors: Iterator, bucket_bytes: int) -> Iterator[tuple[list, bool]]:
+    """(bucket, is_last), holding one bucket of look-ahead: the version moves with the last."""
+    held = None
+    for bucket in split_buckets(tensors, bucket_bytes):
+        if held is not None:
+            yield held, False
+        held = bucket
+    if held is not None:
+        yield held, True
+
+
+async def _push_tensors(engines: list[HttpEngine], tensors: Iterator, version: int,
+                        bucket_bytes: int) -> None:
+    for bucket, last in _buckets(tensors, bucket_bytes):
+        await asyncio.gather(*(e.update_weights_from_tensors(bucket, version if last else None)
+                               for e in engines))
+
+
+def _push_disk(engines: list[HttpEngine], tensors: Iterator, version: int,
+               disk_dir: str | None) -> None:
+    from megatron_rl.checkpoint.hf_io import ShardedSafetensorsWriter
+
+    root = Path(disk_dir or tempfile.mkdtemp(prefix="weights-"))
+    folder = root / f"v{version}"
+    folder.mkdir(parents=True, exist_ok=True)
+    writer = ShardedSafetensorsWriter(folder)
+    for name, t in tensors:
+        writer.add(name, t)
+    writer.close()
+
+    async def load() -> None:
+        await asyncio.gather(*(e.update_weights_from_disk(str(folder), version)
+                               for e in engines))
+
+    asyncio.run(load())
+
+
+async def _push_distributed(engines: list[HttpEngine], tensors: Iterator, version: int,
+                            bucket_bytes: int, master_address: str, timeout_s: float) -> None:
+    """Rank 0 and the engines form their own broadcast group (rank 0 = trainer, engine i =
+    rank i + 1); each bucket is announced over HTTP while rank 0 broadcasts it."""
+    from megatron_rl.distributed.process_groups import free_port
+
+    loop = asyncio.get_running_loop()
+    world, port = 1 + len(engines), free_port()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    store = dist.TCPStore(master_address, port, world, is_master=True, timeout=timeout,
+                          wait_for_workers=False)  # the engines join after our POST
+    joins = [asyncio.create_task(e.init_weights_update_group(
+        master_address, port, i + 1, world, backend=backend)) for i, e in enumerate(engines)]
+    pg = await loop.run_in_executor(None, lambda: _broadcast_group(store, world, timeout))
+    await asyncio.gather(*joins)
+    try:
+        for bucket, last in _buckets(tensors, bucket_bytes):
+            announce = [asyncio.create_task(e.update_weights_from_distributed(
+                [n for n, _ in bucket], [t.dtype for _, t in bucket],
+                [list(t.shape) for _, t in bucket], version if last else None,
+                flush_cache=last)) for e in engines]
+
+            def send(bucket=bucket) -> None:
+                for _, t in bucket:
+                    pg.broadcast(t.contiguous(), 0).wait()
+
+            await loop.run_in_executor(None, send)
+            await asyncio.gather(*announce)
+    finally:
+        await asyncio.gather(*(e.destroy_weights_update_group() for e in engines),
+                             return_exceptions=True)
+
+
+def _broadcast_group(store: Any, world: int, timeout: datetime.timedelta) -> Any:
+    """Rank 0 of a group outside the trainer's world (engines are not torch ranks of it)."""
+    if torch.cuda.is_available():
+        return dist.ProcessGroupNCCL(store, 0, world)
+    return dist.ProcessGroupGloo(store, 0, world, timeout)

@@ -1,0 +1,59 @@
+"""Job bodies for weight-sync tests (run inside the worker pools)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.checkpoint.training_checkpoint import load_checkpoint
+from megatron_rl.rollout.engines.base import GenerateRequest, SamplingParams
+from megatron_rl.rollout.engines.http_client import HttpEngine
+from megatron_rl.rollout.weight_sync import gatherer_for, sync_weights
+from megatron_rl.trainer.batch import TokenBatch
+from megatron_rl.trainer.losses import lm_loss
+from tests import dist_cases
+
+PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12]
+NEW_TOKENS = 16  # prompt + output = 25 tokens → 24 inputs, divisible by TP2 (SP)
+
+
+def _generate(url: str) -> tuple[list[int], list[float], list[int]]:
+    async def run():
+        req = GenerateRequest("probe", PROMPT, SamplingParams(
+            temperature=1.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=11))
+        return await HttpEngine(url).generate(req)
+
+    out = asyncio.run(run())
+    return out.output_ids, out.output_logprobs, out.weight_versions
+
+
+def _broadcast(obj):
+    box = [obj]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def step_sync_probe(overrides: list[str], init: str, url: str, transport: str,
+                    version: int, disk_dir: str) -> dict:
+    """One optimizer step, then: engine log-probs before the sync, sync, engine log-probs after;
+    the trainer's log-probs of the same tokens. Every rank returns the same dict."""
+    actor = dist_cases.make_actor(["model.seq_length=24", "train.global_batch_size=2",
+                                   *overrides])
+    load_checkpoint(actor, init, optimizer=False, rng=False)
+    actor.train_step(dist_cases.fixed_batch(rows=2, seq=24), lm_loss)
+    before = _broadcast(_generate(url) if dist.get_rank() == 0 else None)
+    stats = sync_weights(gatherer_for(actor), [url], version, transport=transport,
+                         bucket_bytes=64 << 10, disk_dir=disk_dir)
+    after = _broadcast(_generate(url) if dist.get_rank() == 0 else None)
+
+    def trainer_logprobs(ids: list[int]) -> list[float]:
+        tokens = torch.tensor([PROMPT + ids] * 2)
+        logp, _ = actor.compute_logprobs(TokenBatch.from_sequences(tokens))
+        return logp[0, len(PROMPT) - 1:].tolist()
+
+    return {"before": before, "after": after, "trainer_before": trainer_logprobs(before[0]),
+            "trainer_after": trainer_logprobs(after[0]), "tensors": stats.tensors,
+            "bytes": stats.bytes}
