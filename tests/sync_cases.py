@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron_rl.checkpoint.training_checkpoint import load_checkpoint
 from megatron_rl.rollout.engines.base import GenerateRequest, SamplingParams
 from megatron_rl.rollout.engines.http_client import HttpEngine
-from megatron_rl.rollout.weight_sync import gatherer_for, sync_weights
+from megatron_rl.rollout.weight_sync import WeightSyncer, gatherer_for
 from megatron_rl.trainer.batch import TokenBatch
 from megatron_rl.trainer.losses import lm_loss
 from tests import dist_cases
@@ -45,8 +45,9 @@ def step_sync_probe(overrides: list[str], init: str, url: str, transport: str,
     load_checkpoint(actor, init, optimizer=False, rng=False)
     actor.train_step(dist_cases.fixed_batch(rows=2, seq=24), lm_loss)
     before = _broadcast(_generate(url) if dist.get_rank() == 0 else None)
-    stats = sync_weights(gatherer_for(actor), [url], version, transport=transport,
-                         bucket_bytes=64 << 10, disk_dir=disk_dir)
+    with WeightSyncer(gatherer_for(actor), [url], transport=transport, bucket_bytes=64 << 10,
+                      disk_dir=disk_dir) as syncer:
+        stats = syncer.sync(version)
     after = _broadcast(_generate(url) if dist.get_rank() == 0 else None)
 
     def trainer_logprobs(ids: list[int]) -> list[float]:

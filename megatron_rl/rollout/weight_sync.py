@@ -7,7 +7,8 @@ buffers are summed onto rank 0: one collective per layer, correct for any TP/PP/
 Rank 0 converts the layer to HF names with the same `WeightMap` the converters use.
 
 Transfer. Rank 0 streams the HF tensors, in buckets, to every engine, over one of:
-  tensor       `/update_weights_from_tensor` (the colocated path; values over HTTP here)
+  tensor       `/update_weights_from_tensor` (the colocated path: a shared-memory segment for
+               an engine on this machine, as SGLang passes CUDA IPC handles; values otherwise)
   distributed  a broadcast group between rank 0 and the engines (`/init_weights_update_group`
                + `/update_weights_from_distributed`; gloo on CPU, NCCL on GPU)
   disk         safetensors shards in a folder + `/update_weights_from_disk`
@@ -156,31 +157,76 @@ def gatherer_for(actor: Any) -> WeightGatherer:
                           padded_vocab_size(actor.spec, actor.cfg.parallel))
 
 
-def sync_weights(gatherer: WeightGatherer, urls: Sequence[str], weight_version: int, *,
+class WeightSyncer:
+    """Pushes the trainer's weights to rollout engines, every trainer rank calling `sync`
+    together. Keeps its engine clients between syncs (their HTTP sessions and, for the shm
+    tensor path, the shared-memory segment, whose pages stay warm)."""
+
+    def __init__(self, gatherer: WeightGatherer, urls: Sequence[str], *,
                  transport: str = "tensor", bucket_bytes: int = 512 << 20,
                  dtype: torch.dtype | None = None, disk_dir: str | None = None,
-                 master_address: str = "127.0.0.1", timeout_s: float = 600.0) -> SyncStats:
-    """Collective over the trainer ranks: push the current weights to every engine in `urls`
-    with `weight_version`. Returns rank 0's timing split (other ranks: gather time only)."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
-    t_start = time.perf_counter()
-    tensors = gatherer.hf_tensors(dtype)
-    if gatherer.rank != 0:
-        for _ in tensors:  # take part in the reductions
-            pass
-        return gatherer.stats
-    engines = [HttpEngine(u, bucket_bytes=bucket_bytes, timeout_s=timeout_s) for u in urls]
-    if transport == "tensor":
-        asyncio.run(_push_tensors(engines, tensors, weight_version, bucket_bytes))
-    elif transport == "disk":
-        _push_disk(engines, tensors, weight_version, disk_dir)
-    else:
-        asyncio.run(_push_distributed(engines, tensors, weight_version, bucket_bytes,
-                                      master_address, timeout_s))
-    stats = gatherer.stats
-    stats.transfer_s = time.perf_counter() - t_start - stats.gather_s - stats.convert_s
-    return stats
+                 master_address: str = "127.0.0.1", timeout_s: float = 600.0):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
+        if not urls:
+            raise ValueError("urls: at least one engine URL is needed")
+        self.gatherer, self.transport, self.bucket_bytes = gatherer, transport, bucket_bytes
+        self.dtype, self.disk_dir = dtype, disk_dir
+        self.master_address, self.timeout_s = master_address, timeout_s
+        self.engines: list[HttpEngine] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        if gatherer.rank == 0:
+            self.loop = asyncio.new_event_loop()
+            self.engines = [HttpEngine(u, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
+                                       tensor_transport="shm" if _same_machine(u)
+                                       else "safetensors") for u in urls]
+
+    def sync(self, weight_version: int) -> SyncStats:
+        """Collective: push the current weights with `weight_version`. Returns rank 0's time
+        split (other ranks: their gather time)."""
+        t_start = time.perf_counter()
+        tensors = self.gatherer.hf_tensors(self.dtype)
+        if self.gatherer.rank != 0:
+            for _ in tensors:  # take part in the reductions
+                pass
+            return self.gatherer.stats
+        if self.transport == "tensor":
+            self.loop.run_until_complete(_push_tensors(self.engines, tensors, weight_version,
+                                                       self.bucket_bytes))
+        elif self.transport == "disk":
+            self.loop.run_until_complete(_push_disk(self.engines, tensors, weight_version,
+                                                    self.disk_dir))
+        else:
+            self.loop.run_until_complete(_push_distributed(
+                self.engines, tensors, weight_version, self.bucket_bytes, self.master_address,
+                self.timeout_s))
+        stats = self.gatherer.stats
+        stats.transfer_s = time.perf_counter() - t_start - stats.gather_s - stats.convert_s
+        return stats
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.run_until_complete(_close_all(self.engines))
+            self.loop.close()
+            self.loop = None
+
+    def __enter__(self) -> WeightSyncer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _close_all(engines: list[HttpEngine]) -> None:
+    await asyncio.gather(*(e.close() for e in engines))
+
+
+def _same_machine(url: str) -> bool:
+    """A loopback engine shares this machine's memory: the tensor path can hand it a
+    shared-memory segment instead of sending the bytes over HTTP."""
+    from urllib.parse import urlparse
+
+    return urlparse(url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
 def _buckets(tensors: Iterator, bucket_bytes: int) -> Iterator[tuple[list, bool]]:
@@ -201,8 +247,8 @@ async def _push_tensors(engines: list[HttpEngine], tensors: Iterator, version: i
                                for e in engines))
 
 
-def _push_disk(engines: list[HttpEngine], tensors: Iterator, version: int,
-               disk_dir: str | None) -> None:
+async def _push_disk(engines: list[HttpEngine], tensors: Iterator, version: int,
+                     disk_dir: str | None) -> None:
     from megatron_rl.checkpoint.hf_io import ShardedSafetensorsWriter
 
     root = Path(disk_dir or tempfile.mkdtemp(prefix="weights-"))
@@ -212,12 +258,7 @@ def _push_disk(engines: list[HttpEngine], tensors: Iterator, version: int,
     for name, t in tensors:
         writer.add(name, t)
     writer.close()
-
-    async def load() -> None:
-        await asyncio.gather(*(e.update_weights_from_disk(str(folder), version)
-                               for e in engines))
-
-    asyncio.run(load())
+    await asyncio.gather(*(e.update_weights_from_disk(str(folder), version) for e in engines))
 
 
 async def _push_distributed(engines: list[HttpEngine], tensors: Iterator, version: int,

@@ -45,7 +45,12 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from megatron_rl.rollout.engines.tensors import FLATTENED, decode_safetensors
+from megatron_rl.rollout.engines.tensors import (
+    FLATTENED,
+    SharedBucket,
+    decode_safetensors,
+    shm_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -857,13 +862,20 @@ class EmbeddedServer:
         fmt = body.get("load_format")
         if fmt not in (None, FLATTENED):
             raise BadRequest(f"load_format: {fmt!r} is not supported (None or '{FLATTENED}')")
+        version = body.get("weight_version")
         try:
             # the server is TP 1: every entry is the same tensors, so decode the first only
+            header = shm_header(payloads[0])
+            if header is not None:  # same machine: copy straight from the trainer's segment
+                with SharedBucket(header) as named:
+                    await self._abort_all_if_asked(body)
+                    await self._call(lambda: self.core.load_weights(named, version))
+                return web.json_response({"success": True,
+                                          "message": "Succeeded to update weights."})
             named = await asyncio.get_running_loop().run_in_executor(
                 None, decode_safetensors, payloads[0])
-        except (ValueError, KeyError, json.JSONDecodeError) as e:
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
             raise BadRequest(f"serialized_named_tensors: {e}") from None
-        version = body.get("weight_version")
         await self._abort_all_if_asked(body)
         await self._call(lambda: self.core.load_weights(named, version))
         return web.json_response({"success": True, "message": "Succeeded to update weights."})

@@ -27,13 +27,14 @@ from megatron_rl.rollout.engines.base import (
 )
 from megatron_rl.rollout.engines.tensors import (
     FLATTENED,
+    ShmWriter,
     dtype_name,
     encode_safetensors,
     encode_torch_ipc,
     split_buckets,
 )
 
-TensorTransport = Literal["safetensors", "torch_ipc"]
+TensorTransport = Literal["safetensors", "torch_ipc", "shm"]
 DEFAULT_GROUP = "weight_update_group"
 
 
@@ -113,7 +114,8 @@ class HttpEngine:
     """Async client for one server (or router) URL.
 
     `tensor_transport` picks the `/update_weights_from_tensor` payload: "torch_ipc" is SGLang's
-    own (tensor handles; colocated only), "safetensors" sends values (the embedded engine).
+    own (tensor handles; colocated only), "safetensors" sends values (the embedded engine),
+    "shm" a shared-memory segment (the embedded engine on the same machine; no copy over HTTP).
     `num_tp_payloads` is the number of serialized copies SGLang expects (its TP size).
     `moe_layout=(num_layers, top_k)` shapes returned routed experts.
     """
@@ -122,9 +124,9 @@ class HttpEngine:
                  tensor_transport: TensorTransport = "safetensors", num_tp_payloads: int = 1,
                  bucket_bytes: int = 256 << 20, flattened: bool = True,
                  moe_layout: tuple[int, int] | None = None, weight_version: int = 0):
-        if tensor_transport not in ("safetensors", "torch_ipc"):
-            raise ValueError(f"tensor_transport={tensor_transport!r}: 'safetensors' or "
-                             "'torch_ipc'")
+        if tensor_transport not in ("safetensors", "torch_ipc", "shm"):
+            raise ValueError(f"tensor_transport={tensor_transport!r}: 'safetensors', "
+                             "'torch_ipc' or 'shm'")
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -135,6 +137,7 @@ class HttpEngine:
         self.moe_layout = moe_layout
         self._weight_version = weight_version
         self._session: aiohttp.ClientSession | None = None
+        self._shm: ShmWriter | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -152,6 +155,9 @@ class HttpEngine:
         return self._session
 
     async def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
@@ -232,7 +238,12 @@ class HttpEngine:
         generator gathering from the trainer): at most two buckets are held."""
 
         async def send(bucket: list[tuple[str, torch.Tensor]], last: bool) -> None:
-            body: dict[str, Any] = {"serialized_named_tensors": self._serialize(bucket),
+            if self.tensor_transport == "shm":
+                self._shm = self._shm or ShmWriter()
+                payloads = [self._shm.write(bucket)] * self.num_tp_payloads
+            else:
+                payloads = self._serialize(bucket)
+            body: dict[str, Any] = {"serialized_named_tensors": payloads,
                                     "flush_cache": last, "abort_all_requests": False}
             if self.flattened:
                 body["load_format"] = FLATTENED

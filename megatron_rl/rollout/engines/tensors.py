@@ -8,11 +8,14 @@ whose metadata items carry `name, shape, dtype, start_idx, end_idx, numel`. Pick
 a machine and GPU (the colocated path): `encode_torch_ipc`. The server unpickles with a
 `SafeUnpickler` allow-list, which admits `types.SimpleNamespace` for the metadata items.
 
-The embedded engine takes the same request shape with *values* instead of handles, since a
-handle cannot cross HTTP and unpickling network input is unsafe: each entry is base64 of a
-safetensors file, either the named tensors themselves or, flattened, one uint8
-`flattened_tensor` with the bucket metadata as JSON in the safetensors header
-(`encode_safetensors` / `decode_safetensors`).
+The embedded engine takes the same request shape with *values* instead of handles, since
+unpickling network input is unsafe: each entry is base64 of a safetensors file, either the named
+tensors themselves or, flattened, one uint8 `flattened_tensor` with the bucket metadata as JSON
+in the safetensors header (`encode_safetensors` / `decode_safetensors`). Its colocated analogue
+of SGLang's handles is a shared-memory segment: the trainer writes the flattened bucket into
+POSIX shared memory once and sends only its name and metadata as JSON (`encode_shm`); the
+engine maps it and copies straight into its weights (no serialisation, no HTTP payload;
+`ShmWriter` / `SharedBucket`).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import base64
 import io
 import json
 from collections.abc import Iterable, Iterator
+from multiprocessing import resource_tracker, shared_memory
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 FLATTENED = "flattened_bucket"
+SHM_FORMAT = "megatron-rl/shm-v1"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -92,6 +97,73 @@ def encode_safetensors(named: list[tuple[str, torch.Tensor]], flattened: bool) -
             tensors[name] = t
         data = save(tensors)
     return base64.b64encode(data).decode("ascii")
+
+
+class ShmWriter:
+    """Trainer side of the shm transport: one shared-memory segment, reused for every bucket
+    and every sync (fresh pages cost a page fault each; warm ones copy at memcpy speed) and
+    grown when a bucket does not fit. `close()` unlinks it."""
+
+    def __init__(self) -> None:
+        self.segment: shared_memory.SharedMemory | None = None
+
+    def write(self, named: list[tuple[str, torch.Tensor]]) -> str:
+        """The bucket flattened into the segment (one copy); returns the payload. The engine
+        must have loaded it before the next `write`."""
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        if self.segment is None or self.segment.size < total:
+            self.close()
+            self.segment = shared_memory.SharedMemory(create=True, size=max(total, 1))
+        flat = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=total)
+        meta, offset = [], 0
+        for name, t in named:
+            n = t.numel() * t.element_size()
+            flat[offset:offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            meta.append({"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                         "start_idx": offset, "end_idx": offset + n, "numel": n})
+            offset += n
+        del flat  # a live view would keep the segment from closing
+        header = {"format": SHM_FORMAT, "name": self.segment.name, "nbytes": total,
+                  "metadata": meta}
+        return base64.b64encode(json.dumps(header).encode()).decode("ascii")
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment.unlink()
+            self.segment = None
+
+
+class SharedBucket:
+    """Engine side of `encode_shm`: the named tensors as views of the mapped segment.
+    Use as a context manager; the views must not outlive it."""
+
+    def __init__(self, header: dict[str, Any]):
+        try:
+            self.segment = shared_memory.SharedMemory(name=header["name"])
+        except FileNotFoundError:
+            raise ValueError(f"shared-memory segment {header['name']!r} does not exist (the "
+                             "shm transport needs the engine on the trainer's machine)") from None
+        # the trainer owns the segment: keep this process's tracker from unlinking it
+        resource_tracker.unregister(self.segment._name, "shared_memory")
+        flat = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=header["nbytes"])
+        self.named = unflatten_bucket(flat, header["metadata"])
+
+    def __enter__(self) -> list[tuple[str, torch.Tensor]]:
+        return self.named
+
+    def __exit__(self, *exc: object) -> None:
+        self.named = []
+        self.segment.close()
+
+
+def shm_header(payload: str) -> dict[str, Any] | None:
+    """The header of an `encode_shm` payload, None for any other payload."""
+    raw = base64.b64decode(payload, validate=True)
+    if raw[:1] != b"{":
+        return None
+    header = json.loads(raw)
+    return header if header.get("format") == SHM_FORMAT else None
 
 
 def decode_safetensors(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:
