@@ -1,0 +1,135 @@
+"""The Trajectory: the one record a rollout produces and the loss consumes.
+
+A trajectory is a list of turns, one per engine call. Each turn keeps the exact token ids the
+engine was fed (`context_ids`) and produced (`output_ids`, with the engine's log-probs and the
+weight version of every token), so the trainer trains on exactly the tokens that were sampled:
+nothing is re-tokenized. `sequences()` turns the turns into training sequences: a turn whose
+context is the previous sequence followed by that turn's output and observation (ReAct's growing
+conversation) extends it; any other context (IterSynth's Planner and Synthesizer each start from
+a fresh prompt) starts a new sequence.
+
+Labels classify what went wrong (the abnormal-trajectory taxonomy): environment failures are the
+environment's fault (the RL loss leaves them out), model failures are the policy's (they keep
+their reward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# environment's fault: excluded from the loss and from group statistics
+ENV_FAILURES = ("search_error", "visit_error", "summarizer_error", "judge_error", "overlong")
+# the policy's fault: kept, with their reward
+MODEL_FAILURES = ("degenerate", "tool_parse_error", "max_turns", "excess_tool_calls")
+LABELS = ENV_FAILURES + MODEL_FAILURES
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    error: str | None = None     # a label when the call could not be parsed or failed
+    observation: str = ""        # what the agent was shown
+
+
+@dataclass
+class Turn:
+    role: str                            # "agent" (ReAct) | "planner" | "synthesizer"
+    context_ids: list[int]               # fed to the engine (not trained)
+    output_ids: list[int]                # generated (trained)
+    output_logprobs: list[float]         # the engine's log-probs of output_ids
+    weight_versions: list[int]           # the weight version of each output token
+    observation_ids: list[int] = field(default_factory=list)  # appended after (not trained)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str = "stop"          # stop | length | abort
+    text: str = ""                       # decoded output, for judges, rubrics and logs
+    rewards: dict[str, float] = field(default_factory=dict)  # per-turn (e.g. rubric score)
+    labels: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.output_ids)
+        if len(self.output_logprobs) != n or len(self.weight_versions) != n:
+            raise ValueError(f"turn ({self.role}): {n} output ids but "
+                             f"{len(self.output_logprobs)} log-probs and "
+                             f"{len(self.weight_versions)} weight versions")
+
+
+@dataclass
+class TrainingSequence:
+    """One sequence for the trainer; per-token arrays are aligned with `tokens`."""
+
+    tokens: list[int]
+    loss_mask: list[int]          # 1 on generated tokens
+    logprobs: list[float]         # the engine's log-probs (0 where masked)
+    weight_versions: list[int]    # -1 where masked
+    turn_index: list[int]         # which turn generated the token (-1 for context/observations)
+
+
+@dataclass
+class Trajectory:
+    uid: str
+    group_id: str                 # trajectories of one prompt share it (GRPO groups)
+    question: str
+    reference: str | None = None
+    turns: list[Turn] = field(default_factory=list)
+    answer: str | None = None
+    labels: list[str] = field(default_factory=list)
+    rewards: dict[str, float] = field(default_factory=dict)  # e.g. outcome
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def add_label(self, label: str, turn: Turn | None = None) -> None:
+        if label not in LABELS:
+            raise ValueError(f"unknown trajectory label {label!r}; known: {', '.join(LABELS)}")
+        if label not in self.labels:
+            self.labels.append(label)
+        if turn is not None and label not in turn.labels:
+            turn.labels.append(label)
+
+    @property
+    def env_failure(self) -> bool:
+        return any(label in ENV_FAILURES for label in self.labels)
+
+    @property
+    def model_failure(self) -> bool:
+        return any(label in MODEL_FAILURES for label in self.labels)
+
+    @property
+    def status(self) -> str:
+        """The first environment failure, else the first model failure, else 'ok'."""
+        for group in (ENV_FAILURES, MODEL_FAILURES):
+            for label in self.labels:
+                if label in group:
+                    return label
+        return "ok"
+
+    @property
+    def roles(self) -> list[str]:
+        return [t.role for t in self.turns]
+
+    def sequences(self) -> list[TrainingSequence]:
+        out: list[TrainingSequence] = []
+        for i, turn in enumerate(self.turns):
+            current = out[-1] if out else None
+            if current is None or turn.context_ids != current.tokens:
+                current = TrainingSequence(list(turn.context_ids), [0] * len(turn.context_ids),
+                                           [0.0] * len(turn.context_ids),
+                                           [-1] * len(turn.context_ids),
+                                           [-1] * len(turn.context_ids))
+                out.append(current)
+            n, m = len(turn.output_ids), len(turn.observation_ids)
+            current.tokens += turn.output_ids + turn.observation_ids
+            current.loss_mask += [1] * n + [0] * m
+            current.logprobs += list(turn.output_logprobs) + [0.0] * m
+            current.weight_versions += list(turn.weight_versions) + [-1] * m
+            current.turn_index += [i] * n + [-1] * m
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        turns = [Turn(**{**t, "tool_calls": [ToolCall(**c) for c in t.get("tool_calls", [])]})
+                 for t in d.get("turns", [])]
+        return cls(**{**d, "turns": turns})

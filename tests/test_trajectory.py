@@ -1,0 +1,58 @@
+"""Trajectory → training sequences: tokens trained are exactly the tokens sampled."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.rollout.trajectory import ToolCall, Trajectory, Turn
+
+
+def _turn(role, context, output, obs=(), version=3):
+    return Turn(role, list(context), list(output), [-0.5] * len(output), [version] * len(output),
+                list(obs))
+
+
+def test_growing_conversation_is_one_sequence():
+    t1 = _turn("agent", [1, 2, 3], [10, 11], obs=[90, 91])
+    t2 = _turn("agent", [1, 2, 3, 10, 11, 90, 91], [12, 13, 14], version=4)
+    seqs = Trajectory("u", "g", "q", turns=[t1, t2]).sequences()
+    assert len(seqs) == 1
+    s = seqs[0]
+    assert s.tokens == [1, 2, 3, 10, 11, 90, 91, 12, 13, 14]
+    assert s.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 1, 1]
+    assert s.turn_index == [-1, -1, -1, 0, 0, -1, -1, 1, 1, 1]
+    assert s.weight_versions == [-1, -1, -1, 3, 3, -1, -1, 4, 4, 4]
+    assert s.logprobs[3] == -0.5 and s.logprobs[5] == 0.0
+
+
+def test_fresh_contexts_start_new_sequences():
+    planner = _turn("planner", [1, 2], [5, 6])
+    synth = _turn("synthesizer", [1, 7, 8], [9])  # a new prompt, not a continuation
+    planner2 = _turn("planner", [1, 2, 9], [4])
+    seqs = Trajectory("u", "g", "q", turns=[planner, synth, planner2]).sequences()
+    assert [s.tokens for s in seqs] == [[1, 2, 5, 6], [1, 7, 8, 9], [1, 2, 9, 4]]
+    assert [s.turn_index[-1] for s in seqs] == [0, 1, 2]
+
+
+def test_labels_and_status():
+    traj = Trajectory("u", "g", "q", turns=[_turn("agent", [1], [2])])
+    assert traj.status == "ok" and not traj.env_failure
+    traj.add_label("tool_parse_error", traj.turns[0])
+    traj.add_label("search_error")
+    assert traj.status == "search_error"  # environment failures rank first
+    assert traj.env_failure and traj.model_failure
+    assert traj.turns[0].labels == ["tool_parse_error"]
+    with pytest.raises(ValueError, match="unknown trajectory label 'oops'"):
+        traj.add_label("oops")
+
+
+def test_round_trips_through_dict():
+    turn = _turn("agent", [1], [2, 3])
+    turn.tool_calls.append(ToolCall("search", {"query": "x"}, observation="results"))
+    traj = Trajectory("u", "g", "q", reference="a", turns=[turn], rewards={"outcome": 1.0})
+    assert Trajectory.from_dict(traj.to_dict()) == traj
+
+
+def test_misaligned_turn_is_refused():
+    with pytest.raises(ValueError, match="2 output ids but 1 log-probs"):
+        Turn("agent", [1], [2, 3], [-0.1], [0, 0])
