@@ -60,12 +60,21 @@ def _listening(proc: psutil.Process) -> list[str]:
     return [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]
 
 
+def _is_ray(proc: psutil.Process) -> bool:
+    try:
+        return "ray" in " ".join(proc.cmdline()).lower()
+    except psutil.Error:
+        return False
+
+
 def test_ray_is_bound_to_loopback_only(local_ray):
     assert local_ray == "127.0.0.1"
     assert ray.util.get_node_ip_address() == "127.0.0.1"
     assert [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]] == ["127.0.0.1"]
-    # every socket any Ray process (all children of this driver) listens on is loopback
-    ips = {ip for p in psutil.Process().children(recursive=True) for ip in _listening(p)}
+    # every socket any Ray process listens on is loopback (other children of this test
+    # process, e.g. the gloo worker pools of other tests, are not Ray's)
+    ray_procs = [p for p in psutil.Process().children(recursive=True) if _is_ray(p)]
+    ips = {ip for p in ray_procs for ip in _listening(p)}
     assert ips, "found no listening Ray sockets"
     assert all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip in ips), ips
 
