@@ -23,6 +23,8 @@ setup(
         "matplotlib",
         # rollout engines: HTTP client and the embedded server
         "aiohttp>=3.9",
+        # deep-search environment: the local BM25 index
+        "tantivy>=0.27,<0.28",  # pinned: the on-disk index format follows the version
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],

@@ -75,6 +75,37 @@ def _convert_megatron_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _search_build(args: argparse.Namespace) -> int:
+    from megatron_rl.env.index import CorpusError, build_index, folder_bytes
+
+    try:
+        m = build_index(args.corpus, args.out, overwrite=args.overwrite,
+                        progress=not args.no_progress, heap_mb=args.heap_mb)
+    except CorpusError as e:
+        print(f"megatron-rl: corpus error: {e}", file=sys.stderr)
+        return 2
+    print(f"[search] {args.corpus} -> {args.out}: {m['docs']} docs "
+          f"({m['duplicates_skipped']} duplicate URLs skipped) in {m['build_seconds']:.1f}s, "
+          f"{folder_bytes(args.out) / 1e6:.1f} MB")
+    return 0
+
+
+def _search_serve(args: argparse.Namespace) -> int:
+    from megatron_rl.env.index import IndexOpenError, SearchIndex
+    from megatron_rl.env.service import serve
+
+    def ready(url: str, index: SearchIndex) -> None:
+        # one parseable line: scripts that pass --port 0 read the port from it
+        print(f"[search] serving {args.index} ({index.num_docs} docs) on {url}", flush=True)
+
+    try:
+        serve(args.index, args.host, args.port, threads=args.threads, on_ready=ready)
+    except IndexOpenError as e:
+        print(f"megatron-rl: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _launch(fn, nproc: int, *args, backend: str = "auto") -> list:
     """Run `fn(*args)` SPMD: in this process under torchrun (one rank), else on `nproc` local
     gloo ranks. Returns the per-rank results (just this rank's under torchrun)."""
@@ -131,6 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
     m2h.add_argument("--max-shard-gb", type=float, default=2.0)
     m2h.add_argument("--overwrite", action="store_true")
     m2h.set_defaults(func=_convert_megatron_to_hf)
+
+    se = sub.add_parser("search", help="the local search index and service")
+    ssub = se.add_subparsers(dest="search_command", required=True)
+    sb = ssub.add_parser("build", help="index a (url, title, text) corpus (.parquet/.jsonl)")
+    sb.add_argument("--corpus", required=True, help="corpus .parquet or .jsonl")
+    sb.add_argument("--out", required=True, help="index folder to create")
+    sb.add_argument("--overwrite", action="store_true")
+    sb.add_argument("--heap-mb", type=int, default=256, help="tantivy writer memory")
+    sb.add_argument("--no-progress", action="store_true")
+    sb.set_defaults(func=_search_build)
+    sv = ssub.add_parser("serve", help="serve an index over HTTP (POST /search, /visit)")
+    sv.add_argument("--index", required=True, help="index folder from `search build`")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8090, help="0: any free port (printed)")
+    sv.add_argument("--threads", type=int, default=0, help="search threads (0: CPU count)")
+    sv.set_defaults(func=_search_serve)
 
     q = sub.add_parser("quickstart", help="the embedded default on this machine's CPUs")
     q.add_argument("overrides", nargs="*")

@@ -1,0 +1,1 @@
+"""The deep-search environment: tools (search, visit) whose failures come back labelled."""

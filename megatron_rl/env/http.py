@@ -1,0 +1,72 @@
+"""One HTTP request → parsed body, or a `ToolError` labelled and marked retryable the same way
+for every backend (Serper, Jina, the search service, OpenAI-compatible summarizers)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from megatron_rl.env.base import ErrorLabel, ToolError
+from megatron_rl.env.reliability import parse_retry_after, redact
+
+
+class HttpClient:
+    """An aiohttp session per event loop (a session is bound to the loop that made it)."""
+
+    def __init__(self, *, connect_timeout_s: float = 10.0):
+        self.connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s))
+            self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def request(self, method: str, url: str, *, label: ErrorLabel, where: str,
+                      json_body: Any = None, headers: dict[str, str] | None = None,
+                      expect: str = "json") -> Any:
+        """`expect`: "json" (parsed) or "text". Failures raise ToolError: 429 → rate_limited
+        (retryable, Retry-After kept), 5xx / refused or reset connections → `label`
+        (retryable), other 4xx and undecodable bodies → `label`. Timeouts propagate as
+        TimeoutError for the Guard to label."""
+        try:
+            async with self.session().request(method, url, json=json_body,
+                                              headers=headers) as resp:
+                body = await resp.text(errors="replace")
+                status = resp.status
+                retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+        except aiohttp.ClientConnectionError as e:
+            if isinstance(e, aiohttp.ServerTimeoutError):
+                raise TimeoutError(str(e)) from None
+            raise ToolError(label, f"{where}: connection failed: {type(e).__name__}: "
+                            f"{redact(str(e))}", retryable=True) from None
+        except aiohttp.ClientError as e:
+            raise ToolError(label, f"{where}: {type(e).__name__}: {redact(str(e))}") from None
+        snippet = redact(body[:300])
+        if status == 429:
+            raise ToolError("rate_limited", f"{where}: HTTP 429 rate limited: {snippet}",
+                            retryable=True, retry_after_s=retry_after, status=status)
+        if status >= 500:
+            raise ToolError(label, f"{where}: HTTP {status}: {snippet}", retryable=True,
+                            retry_after_s=retry_after, status=status)
+        if status >= 400:
+            raise ToolError(label, f"{where}: HTTP {status}: {snippet}", status=status)
+        if expect == "text":
+            return body
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError as e:
+            raise ToolError(label, f"{where}: response is not valid JSON ({e}): {snippet}",
+                            status=status) from None

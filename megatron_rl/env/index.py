@@ -1,0 +1,271 @@
+"""The local BM25 index (tantivy) and page store built from a (url, title, text) corpus.
+
+An index folder holds `tantivy/` (the index; title and text stemmed, url as an exact term; all
+three stored, so the same folder serves `search` and `visit`) and `manifest.json` (format, id,
+document count, source, build time). `build_index` writes into a temp folder beside the target
+and renames it when complete, so a reader never sees a half-built index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tantivy
+
+INDEX_FORMAT = 1
+COLUMNS = ("url", "title", "text")
+SNIPPET_CHARS = 200
+TITLE_BOOST = 2.0
+
+
+class CorpusError(ValueError):
+    """Bad corpus input; the message names the file and the column or line."""
+
+
+class IndexOpenError(RuntimeError):
+    """A missing, partial or incompatible index folder."""
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    title: str
+    url: str
+    snippet: str
+    score: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"title": self.title, "url": self.url, "snippet": self.snippet,
+                "score": self.score}
+
+
+@dataclass(frozen=True)
+class Page:
+    url: str
+    title: str
+    text: str
+
+
+# -- corpus input ---------------------------------------------------------------------------------
+
+def _check_row(path: Path, where: str, row: dict[str, Any]) -> tuple[str, str, str]:
+    out = []
+    for col in COLUMNS:
+        v = row.get(col)
+        if v is None and col != "url":
+            v = ""  # a page without a title or body is odd but harmless
+        if not isinstance(v, str):
+            raise CorpusError(f"{path}: {where}: column {col!r} must be a string, got "
+                              f"{type(v).__name__}")
+        out.append(v)
+    if not out[0].strip():
+        raise CorpusError(f"{path}: {where}: column 'url' is empty")
+    return out[0].strip(), out[1], out[2]
+
+
+def corpus_rows(path: str | Path) -> tuple[int | None, Iterator[tuple[str, str, str]]]:
+    """(row count if known, iterator of (url, title, text)) from .parquet or .jsonl/.json."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError(f"{path}: no such corpus file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:
+            raise CorpusError(f"{path}: not a readable parquet file: {e}") from None
+        names = pf.schema_arrow.names
+        missing = [c for c in COLUMNS if c not in names]
+        if missing:
+            raise CorpusError(f"{path}: missing column(s) {missing}; found {names} (a corpus "
+                              "needs url, title, text)")
+
+        def parquet_rows() -> Iterator[tuple[str, str, str]]:
+            i = 0
+            for batch in pf.iter_batches(batch_size=4096, columns=list(COLUMNS)):
+                cols = [batch.column(c).to_pylist() for c in COLUMNS]
+                for url, title, text in zip(*cols):
+                    yield _check_row(path, f"row {i}", {"url": url, "title": title,
+                                                         "text": text})
+                    i += 1
+
+        return pf.metadata.num_rows, parquet_rows()
+    if path.suffix in (".jsonl", ".json", ".ndjson"):
+        def jsonl_rows() -> Iterator[tuple[str, str, str]]:
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise CorpusError(f"{path}: line {lineno}: not JSON: {e}") from None
+                    if not isinstance(row, dict):
+                        raise CorpusError(f"{path}: line {lineno}: expected an object with "
+                                          f"{list(COLUMNS)}")
+                    missing = [c for c in COLUMNS if c not in row]
+                    if missing:
+                        raise CorpusError(f"{path}: line {lineno}: missing column(s) {missing}")
+                    yield _check_row(path, f"line {lineno}", row)
+
+        return None, jsonl_rows()
+    raise CorpusError(f"{path}: unknown corpus format {path.suffix!r} (use .parquet or .jsonl)")
+
+
+# -- build ----------------------------------------------------------------------------------------
+
+def _schema() -> tantivy.Schema:
+    sb = tantivy.SchemaBuilder()
+    sb.add_text_field("url", stored=True, tokenizer_name="raw")
+    sb.add_text_field("title", stored=True, tokenizer_name="en_stem")
+    sb.add_text_field("text", stored=True, tokenizer_name="en_stem")
+    return sb.build()
+
+
+def build_index(corpus: str | Path, out: str | Path, *, overwrite: bool = False,
+                progress: bool = True, heap_mb: int = 256, threads: int = 0) -> dict[str, Any]:
+    """Index `corpus` into the folder `out` (atomically). Returns the manifest.
+
+    Rows with a URL seen before are skipped (counted in `duplicates_skipped`): a page store
+    needs one page per URL."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists (pass overwrite=True / --overwrite to replace it)")
+    total, rows = corpus_rows(corpus)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+    t0 = time.perf_counter()
+    index = writer = None
+    try:
+        (tmp / "tantivy").mkdir(parents=True)
+        index = tantivy.Index(_schema(), path=str(tmp / "tantivy"))
+        writer = index.writer(heap_size=heap_mb * 1_000_000, num_threads=threads)
+        seen: set[str] = set()
+        dupes = 0
+        for url, title, text in tqdm(rows, total=total, unit="doc", disable=not progress,
+                                     desc=f"indexing {Path(corpus).name}", mininterval=1.0):
+            if url in seen:
+                dupes += 1
+                continue
+            seen.add(url)
+            doc = tantivy.Document()
+            doc.add_text("url", url)
+            doc.add_text("title", title)
+            doc.add_text("text", text)
+            writer.add_document(doc)
+        writer.commit()
+        writer.wait_merging_threads()
+        manifest = {"format": INDEX_FORMAT, "id": uuid.uuid4().hex, "docs": len(seen),
+                    "duplicates_skipped": dupes, "source": str(Path(corpus).resolve()),
+                    "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "build_seconds": round(time.perf_counter() - t0, 3)}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        if out.exists():
+            old = out.parent / f".old-{out.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        # the writer's threads hold files (and its lock) until it is dropped
+        index = writer = None
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def folder_bytes(path: str | Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+# -- read -----------------------------------------------------------------------------------------
+
+_QUERY_SYNTAX = re.compile(r"[^\w]+")
+
+
+class SearchIndex:
+    """A built index folder, opened read-only. Thread-safe: one searcher over a frozen index."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        mpath = self.path / "manifest.json"
+        if not mpath.is_file():
+            raise IndexOpenError(f"{self.path}: not a search index (no manifest.json; build one "
+                              "with `megatron-rl search build`)")
+        self.manifest: dict[str, Any] = json.loads(mpath.read_text())
+        if self.manifest.get("format") != INDEX_FORMAT:
+            raise IndexOpenError(f"{self.path}: index format {self.manifest.get('format')} is not "
+                              f"{INDEX_FORMAT}; rebuild it")
+        try:
+            self._index = tantivy.Index.open(str(self.path / "tantivy"))
+        except Exception as e:
+            raise IndexOpenError(f"{self.path}: cannot open the tantivy index: {e}") from None
+        self._schema = self._index.schema
+        self._searcher = self._index.searcher()
+
+    @property
+    def id(self) -> str:
+        return str(self.manifest["id"])
+
+    @property
+    def num_docs(self) -> int:
+        return int(self._searcher.num_docs)
+
+    def parse(self, query: str) -> tantivy.Query | None:
+        # agents write natural language: drop the query language's syntax (quotes, colons,
+        # brackets) and lower-case so AND/OR/NOT are words, not operators
+        words = _QUERY_SYNTAX.sub(" ", query).lower().split()
+        if not words:
+            return None
+        return self._index.parse_query(" ".join(words), ["title", "text"],
+                                       field_boosts={"title": TITLE_BOOST})
+
+    def search(self, query: str, top_k: int = 10) -> list[SearchHit]:
+        q = self.parse(query)
+        if q is None:
+            return []
+        result = self._searcher.search(q, top_k, count=False)
+        if not result.hits:
+            return []
+        snippets = tantivy.SnippetGenerator.create(self._searcher, q, self._schema, "text")
+        snippets.set_max_num_chars(SNIPPET_CHARS)
+        hits = []
+        for score, addr in result.hits:
+            doc = self._searcher.doc(addr)
+            text = doc.get_first("text") or ""
+            snippet = snippets.snippet_from_doc(doc).fragment().strip()
+            if not snippet:  # matched on the title only: show the page's opening
+                snippet = _opening(text, SNIPPET_CHARS)
+            hits.append(SearchHit(title=doc.get_first("title") or "", url=doc.get_first("url"),
+                                  snippet=" ".join(snippet.split()), score=float(score)))
+        return hits
+
+    def page(self, url: str) -> Page | None:
+        for candidate in dict.fromkeys([url, url.strip(), url.strip().rstrip("/"),
+                                        url.strip() + "/"]):
+            q = tantivy.Query.term_query(self._schema, "url", candidate)
+            hits = self._searcher.search(q, 1, count=False).hits
+            if hits:
+                doc = self._searcher.doc(hits[0][1])
+                return Page(url=doc.get_first("url"), title=doc.get_first("title") or "",
+                            text=doc.get_first("text") or "")
+        return None
+
+
+def _opening(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0]
+    return cut + " …"

@@ -1,0 +1,388 @@
+"""What keeps tool calls cheap and safe under RL load: a result cache, per-tool rate limits and
+concurrency caps, retries with exponential backoff, per-attempt timeouts, secret redaction.
+
+`ManagedTool` is the base class of every tool: it validates arguments, consults the cache,
+runs the tool's `run()` and turns any exception into a labelled `ToolResult`. Remote calls
+inside `run()` go through a `Guard` (one per backend), which applies the limits, the timeout
+and the retries of a `ReliabilityConfig`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hashlib
+import json
+import logging
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from megatron_rl.env.base import ErrorLabel, ToolError, ToolResult, validate_arguments
+
+log = logging.getLogger("megatron_rl.env")
+T = TypeVar("T")
+
+
+# -- secrets --------------------------------------------------------------------------------------
+
+_SECRETS: set[str] = set()
+
+
+def register_secret(value: str | None) -> None:
+    """Every detail and log line of this package is scrubbed of registered values."""
+    if value and len(value) >= 4:  # a 1-3 char "secret" would redact ordinary words
+        _SECRETS.add(value)
+
+
+def redact(text: str) -> str:
+    for s in _SECRETS:
+        if s in text:
+            text = text.replace(s, "***")
+    return text
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+@dataclass
+class ReliabilityConfig:
+    """Per-backend limits. Times in seconds; `None` switches a limit off."""
+
+    timeout_s: float = 30.0  # per attempt, not counting waits for the rate limit or a slot
+    max_retries: int = 3  # extra attempts after the first, on retryable failures only
+    backoff_base_s: float = 0.5  # delay before retry n is base * 2**(n-1), capped, plus jitter
+    backoff_max_s: float = 8.0
+    jitter: float = 0.2  # fraction of the delay added at random (spreads synchronized workers)
+    max_retry_after_s: float = 60.0  # a 429 asking for a longer wait fails at once
+    rate_per_s: float | None = None  # token bucket refill rate
+    burst: int = 1  # bucket size
+    max_concurrency: int | None = 16  # in-flight requests of this backend, per process
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.max_retries < 0 or self.burst < 1:
+            raise ValueError(f"invalid ReliabilityConfig {self}")
+        if self.rate_per_s is not None and self.rate_per_s <= 0:
+            raise ValueError(f"rate_per_s must be > 0 or None, got {self.rate_per_s}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1 or None, got {self.max_concurrency}")
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Retry-After is delta-seconds or an HTTP date (RFC 9110 §10.2.3)."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
+# -- limits and retries ---------------------------------------------------------------------------
+
+_attempts: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("_attempts",
+                                                                             default=None)
+
+
+class TokenBucket:
+    """`rate` tokens per second, at most `burst` saved up. Waiters are served in order."""
+
+    def __init__(self, rate: float, burst: int = 1):
+        self.rate = rate
+        self.burst = burst
+        self._tokens = float(burst)
+        self._last = time.monotonic()
+        self._lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def acquire(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # asyncio locks belong to one loop; tests run several
+            self._lock, self._loop = asyncio.Lock(), loop
+        assert self._lock is not None
+        async with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            if self._tokens < 1:
+                await asyncio.sleep((1 - self._tokens) / self.rate)
+                self._tokens, self._last = 1.0, time.monotonic()
+            self._tokens -= 1
+
+
+class Guard:
+    """Rate limit, concurrency cap, per-attempt timeout and retries for one backend."""
+
+    def __init__(self, config: ReliabilityConfig, label: ErrorLabel, name: str):
+        self.config = config
+        self.label = label  # what an unexpected exception or a timeout-free failure is called
+        self.name = name
+        self.bucket = TokenBucket(config.rate_per_s, config.burst) if config.rate_per_s else None
+        self._sem: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _semaphore(self) -> asyncio.Semaphore | None:
+        if self.config.max_concurrency is None:
+            return None
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._sem, self._loop = asyncio.Semaphore(self.config.max_concurrency), loop
+        return self._sem
+
+    def backoff(self, retry: int) -> float:
+        c = self.config
+        delay = min(c.backoff_max_s, c.backoff_base_s * 2 ** (retry - 1))
+        return delay * (1 + c.jitter * random.random())
+
+    async def _attempt(self, fn: Callable[[], Awaitable[T]]) -> T:
+        sem = self._semaphore()
+        if sem is not None:
+            await sem.acquire()
+        try:
+            if self.bucket is not None:
+                await self.bucket.acquire()
+            counter = _attempts.get()
+            if counter is not None:
+                counter[0] += 1
+            async with asyncio.timeout(self.config.timeout_s):
+                return await fn()
+        finally:
+            if sem is not None:
+                sem.release()
+
+    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """`fn()` until it succeeds, fails for good, or runs out of retries. Raises ToolError."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await self._attempt(fn)
+            except TimeoutError:
+                err = ToolError("timeout", f"{self.name}: no answer within "
+                                f"{self.config.timeout_s:g}s", retryable=True)
+            except ToolError as e:
+                err = e
+            except Exception as e:  # a backend bug must not end the rollout either
+                err = ToolError(self.label, f"{self.name}: {type(e).__name__}: {e}")
+            err.attempts = attempt
+            if not err.retryable or attempt > self.config.max_retries:
+                raise err
+            if err.retry_after_s is not None:
+                if err.retry_after_s > self.config.max_retry_after_s:
+                    err.detail += (f" (Retry-After {err.retry_after_s:g}s is over the "
+                                   f"{self.config.max_retry_after_s:g}s limit)")
+                    raise err
+                delay = err.retry_after_s
+            else:
+                delay = self.backoff(attempt)
+            log.info("%s: attempt %d failed (%s: %s); retrying in %.2fs", self.name, attempt,
+                     err.label, redact(err.detail), delay)
+            await asyncio.sleep(delay)
+
+
+# -- cache ----------------------------------------------------------------------------------------
+
+class ToolCache(Protocol):
+    async def get(self, key: str) -> dict[str, Any] | None: ...
+
+    async def put(self, key: str, tool: str, value: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SqliteCache:
+    """One table in a sqlite file (WAL, so several rollout processes can share it)."""
+
+    def __init__(self, path: str | Path, ttl_s: float | None = None):
+        self.path = str(path)
+        self.ttl_s = ttl_s
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30,
+                                   isolation_level=None)
+        if self.path != ":memory:":
+            self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS tool_cache (key TEXT PRIMARY KEY, "
+                         "tool TEXT, value TEXT, created REAL)")
+
+    def _get(self, key: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT value, created FROM tool_cache WHERE key = ?",
+                                   (key,)).fetchone()
+        if row is None or (self.ttl_s is not None and time.time() - row[1] > self.ttl_s):
+            return None
+        return json.loads(row[0])
+
+    def _put(self, key: str, tool: str, value: dict[str, Any]) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO tool_cache VALUES (?, ?, ?, ?)",
+                             (key, tool, json.dumps(value), time.time()))
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        return await asyncio.to_thread(self._get, key)
+
+    async def put(self, key: str, tool: str, value: dict[str, Any]) -> None:
+        await asyncio.to_thread(self._put, key, tool, value)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+class PostgresCache:
+    """The same table in Postgres, for rollout workers on many machines (needs psycopg 3)."""
+
+    def __init__(self, url: str, ttl_s: float | None = None):
+        try:
+            import psycopg
+        except ImportError:
+            raise RuntimeError("a postgresql:// tool cache needs psycopg 3: "
+                               "pip install 'psycopg[binary]'") from None
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        try:
+            self._db = psycopg.connect(url, autocommit=True)
+        except psycopg.Error as e:
+            raise RuntimeError("tool cache: cannot connect to Postgres: "
+                               f"{redact(str(e))}") from None
+        self._db.execute("CREATE TABLE IF NOT EXISTS tool_cache (key TEXT PRIMARY KEY, "
+                         "tool TEXT, value TEXT, created DOUBLE PRECISION)")
+
+    def _get(self, key: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT value, created FROM tool_cache WHERE key = %s",
+                                   (key,)).fetchone()
+        if row is None or (self.ttl_s is not None and time.time() - row[1] > self.ttl_s):
+            return None
+        return json.loads(row[0])
+
+    def _put(self, key: str, tool: str, value: dict[str, Any]) -> None:
+        with self._lock:
+            self._db.execute("INSERT INTO tool_cache VALUES (%s, %s, %s, %s) ON CONFLICT (key) "
+                             "DO UPDATE SET value = EXCLUDED.value, created = EXCLUDED.created",
+                             (key, tool, json.dumps(value), time.time()))
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        return await asyncio.to_thread(self._get, key)
+
+    async def put(self, key: str, tool: str, value: dict[str, Any]) -> None:
+        await asyncio.to_thread(self._put, key, tool, value)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def open_cache(url: str | Path | None, ttl_s: float | None = None) -> ToolCache | None:
+    """None: no cache; `postgresql://…` / `postgres://…`: Postgres; anything else: a sqlite
+    file path (or `:memory:`)."""
+    if url is None or url == "":
+        return None
+    url = str(url)
+    if url.startswith(("postgresql://", "postgres://")):
+        register_secret(_url_password(url))
+        return PostgresCache(url, ttl_s)
+    return SqliteCache(url.removeprefix("sqlite://"), ttl_s)
+
+
+def _url_password(url: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    return urlsplit(url).password
+
+
+def normalise_arguments(schema: dict[str, Any], arguments: dict[str, Any]) -> dict[str, Any]:
+    """Defaults filled in and whitespace collapsed, so equivalent calls share a cache entry."""
+    out = {k: p["default"] for k, p in schema.get("properties", {}).items() if "default" in p}
+    for k, v in arguments.items():
+        out[k] = " ".join(v.split()) if isinstance(v, str) else v
+    return out
+
+
+def cache_key(namespace: str, arguments: dict[str, Any]) -> str:
+    blob = json.dumps([namespace, arguments], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# -- the tool base class --------------------------------------------------------------------------
+
+@dataclass
+class ToolOutput:
+    content: str
+    data: Any = None
+
+
+class ManagedTool:
+    """Base class: subclasses set `name`, `description`, `parameters`, `failure_label` and
+    implement `run(args) -> ToolOutput` (raising ToolError on failure)."""
+
+    name: str = "tool"
+    description: str = ""
+    parameters: dict[str, Any] = {"type": "object", "properties": {}}  # noqa: RUF012
+    failure_label: ErrorLabel = "search_error"
+
+    def __init__(self, *, reliability: ReliabilityConfig | None = None,
+                 cache: ToolCache | None = None):
+        self.reliability = reliability or ReliabilityConfig()
+        self.guard = Guard(self.reliability, self.failure_label, self.name)
+        self.cache = cache
+
+    def cache_namespace(self) -> str:
+        """Distinguishes backends in a shared cache (override: index id, endpoint)."""
+        return self.name
+
+    async def run(self, args: dict[str, Any]) -> ToolOutput:
+        raise NotImplementedError
+
+    async def __call__(self, /, **arguments: Any) -> ToolResult:
+        t0 = time.perf_counter()
+        problem = validate_arguments(self.parameters, arguments)
+        if problem is not None:
+            return ToolResult.failure("bad_arguments", problem, tool=self.name,
+                                      latency_s=time.perf_counter() - t0)
+        args = normalise_arguments(self.parameters, arguments)
+        key = cache_key(self.cache_namespace(), args) if self.cache is not None else ""
+        if self.cache is not None:
+            try:
+                hit = await self.cache.get(key)
+            except Exception as e:  # a broken cache costs speed, not the rollout
+                log.warning("%s: cache read failed: %s", self.name, redact(repr(e)))
+                hit = None
+            if hit is not None:
+                return ToolResult(ok=True, content=hit["content"], data=hit.get("data"),
+                                  cached=True, latency_s=time.perf_counter() - t0)
+        counter = [0]
+        token = _attempts.set(counter)
+        try:
+            out = await self.run(args)
+        except ToolError as e:
+            detail = redact(e.detail)
+            log.warning("%s failed after %d attempt(s): %s: %s", self.name, counter[0], e.label,
+                        detail)
+            return ToolResult.failure(e.label, detail, tool=self.name, attempts=counter[0],
+                                      latency_s=time.perf_counter() - t0)
+        except Exception as e:
+            detail = redact(f"{type(e).__name__}: {e}")
+            log.warning("%s failed: %s", self.name, detail)
+            return ToolResult.failure(self.failure_label, detail, tool=self.name,
+                                      attempts=counter[0], latency_s=time.perf_counter() - t0)
+        finally:
+            _attempts.reset(token)
+        if self.cache is not None:
+            try:
+                await self.cache.put(key, self.name, {"content": out.content, "data": out.data})
+            except Exception as e:
+                log.warning("%s: cache write failed: %s", self.name, redact(repr(e)))
+        return ToolResult(ok=True, content=out.content, data=out.data, attempts=counter[0],
+                          latency_s=time.perf_counter() - t0)
