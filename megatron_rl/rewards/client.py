@@ -1,0 +1,259 @@
+"""An OpenAI-compatible chat client for LLM judges: concurrency cap, token-bucket rate limit,
+retries with jittered exponential backoff (timeouts, connection errors, 5xx, 429, malformed or
+unparseable replies), round-robin over several base URLs (an aux judge pool's engines).
+
+It never raises for a failed call: `call` returns `(value, None)` or `(None, reason)` after the
+retries are spent, so one bad judge reply cannot crash a batch. The API key is read from the
+environment variable the config names, sent only in the Authorization header, and scrubbed from
+every message this module produces (a server may echo it back in an error body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+
+log = logging.getLogger("megatron_rl.rewards")
+T = TypeVar("T")
+
+
+@dataclass
+class ClientConfig:
+    """Where and how to call an OpenAI-compatible judge. `base_url` ends in /v1 (the form aux
+    pools hand out); a list is used round-robin, and a retry moves on to the next URL."""
+
+    base_url: str | list[str]
+    model: str = "default"
+    api_key_env: str | None = None  # the *name* of the variable holding the key
+    max_concurrency: int = 16       # requests in flight at once
+    requests_per_s: float = 0.0     # token-bucket rate; 0 = unlimited
+    burst: int = 4                  # bucket capacity
+    max_retries: int = 4            # retries after the first attempt
+    backoff_s: float = 0.5          # first retry delay; doubles each retry (jittered)
+    max_backoff_s: float = 16.0     # cap on a delay, Retry-After included
+    timeout_s: float = 120.0        # one attempt, connect to last byte
+    max_tokens: int = 512
+    temperature: float = 0.0
+    extra_body: dict[str, Any] = field(default_factory=dict)  # e.g. chat_template_kwargs
+
+    def __post_init__(self) -> None:
+        urls = [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
+        if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                                for u in urls):
+            raise ValueError(f"base_url={self.base_url!r}: http(s) URL(s) ending in /v1")
+        for name, low in (("max_concurrency", 1), ("burst", 1), ("max_retries", 0),
+                          ("max_tokens", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= {low}")
+        for name in ("requests_per_s", "backoff_s", "max_backoff_s", "temperature"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s}: must be > 0")
+
+    @property
+    def urls(self) -> list[str]:
+        urls = [self.base_url] if isinstance(self.base_url, str) else self.base_url
+        return [u.rstrip("/") for u in urls]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "judge") -> ClientConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**d)
+
+
+class TokenBucket:
+    """`rate` tokens per second, at most `capacity` banked; `acquire` waits for one token.
+    Waiters are served in order (the lock is held while waiting)."""
+
+    def __init__(self, rate: float, capacity: int = 1):
+        self.rate = rate
+        self.capacity = capacity
+        self.tokens = float(capacity)
+        self.stamp = time.monotonic()
+        self._lock: asyncio.Lock | None = None
+
+    def reset_loop(self) -> None:
+        self._lock = None  # asyncio primitives belong to one event loop
+
+    async def acquire(self) -> None:
+        if self.rate <= 0:
+            return
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            while True:
+                now = time.monotonic()
+                self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+                self.stamp = now
+                if self.tokens >= 1:
+                    self.tokens -= 1
+                    return
+                await asyncio.sleep((1 - self.tokens) / self.rate)
+
+
+class _Retryable(Exception):
+    """One failed attempt worth retrying; `kind` names it for the stats."""
+
+    def __init__(self, kind: str, detail: str, retry_after: float | None = None):
+        super().__init__(detail)
+        self.kind = kind
+        self.retry_after = retry_after
+
+
+class _Fatal(Exception):
+    """A failed attempt that a retry cannot fix (e.g. 400, 401, 404)."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+class ChatClient:
+    """Async chat completions with limits and retries; one per judge (they share nothing)."""
+
+    def __init__(self, config: ClientConfig):
+        self.config = config
+        self._key: str | None = None
+        if config.api_key_env:
+            self._key = os.environ.get(config.api_key_env)
+            if not self._key:
+                raise ValueError(f"judge API key: environment variable {config.api_key_env} "
+                                 "is not set")
+        self.bucket = TokenBucket(config.requests_per_s, config.burst)
+        self.stats: Counter[str] = Counter()
+        self._turn = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._sem: asyncio.Semaphore | None = None
+
+    def __repr__(self) -> str:
+        return f"ChatClient(urls={self.config.urls}, model={self.config.model!r})"
+
+    def redact(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key else text
+
+    def _bind(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
+        # a session and a semaphore belong to one event loop; callers may run several in turn
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+            self._sem = asyncio.Semaphore(self.config.max_concurrency)
+            self.bucket.reset_loop()
+            self._loop = loop
+        assert self._sem is not None
+        return self._session, self._sem
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> ChatClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def metrics(self, prefix: str = "judge") -> dict[str, float]:
+        return {f"{prefix}/{k}": float(v) for k, v in sorted(self.stats.items())}
+
+    def _delay(self, retry: int, retry_after: float | None) -> float:
+        c = self.config
+        backoff = min(c.max_backoff_s, c.backoff_s * 2 ** retry) * random.uniform(0.5, 1.0)
+        if retry_after is not None:  # the server said when; never sooner than it asked
+            backoff = max(backoff, min(retry_after, c.max_backoff_s))
+        return backoff
+
+    async def call(self, messages: list[dict[str, str]],
+                   parse: Callable[[str], T]) -> tuple[T | None, str | None]:
+        """Send `messages`; `parse` turns the reply text into a value or raises ValueError
+        (retried like a transport failure). Returns (value, None) or (None, why it failed)."""
+        self.stats["calls"] += 1
+        urls, first = self.config.urls, self._turn
+        self._turn += 1
+        last = ""
+        for attempt in range(self.config.max_retries + 1):
+            url = urls[(first + attempt) % len(urls)]
+            try:
+                text = await self._attempt(url, messages)
+                try:
+                    return parse(text), None
+                except ValueError as e:
+                    raise _Retryable("unparseable", f"{e}") from None
+            except _Fatal as e:
+                self.stats[e.kind] += 1
+                last = self.redact(f"{e.kind}: {e}")
+                break
+            except _Retryable as e:
+                self.stats[e.kind] += 1
+                last = self.redact(f"{e.kind}: {e}")
+                if attempt == self.config.max_retries:
+                    break
+                delay = self._delay(attempt, e.retry_after)
+                self.stats["retries"] += 1
+                log.warning("judge call to %s failed (%s); retry %d/%d in %.2fs", url, last,
+                            attempt + 1, self.config.max_retries, delay)
+                await asyncio.sleep(delay)
+        self.stats["failures"] += 1
+        log.warning("judge call failed after %d attempt(s): %s", attempt + 1, last)
+        return None, last
+
+    async def _attempt(self, url: str, messages: list[dict[str, str]]) -> str:
+        c = self.config
+        body = {"model": c.model, "messages": messages, "max_tokens": c.max_tokens,
+                "temperature": c.temperature, **c.extra_body}
+        headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
+        session, sem = self._bind()
+        await self.bucket.acquire()
+        async with sem:
+            self.stats["attempts"] += 1
+            try:
+                async with session.post(f"{url}/chat/completions", json=body, headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=c.timeout_s)) as r:
+                    raw = await r.text()
+                    status, retry_after = r.status, r.headers.get("Retry-After")
+            except TimeoutError:
+                raise _Retryable("timeout", f"no reply within {c.timeout_s:g}s") from None
+            except aiohttp.ClientError as e:
+                raise _Retryable("connection", f"{type(e).__name__}: {e}") from None
+        snippet = " ".join(raw.split())[:200]
+        if status == 429:
+            raise _Retryable("http_429", f"HTTP 429: {snippet}", _seconds(retry_after))
+        if status >= 500:
+            raise _Retryable("http_5xx", f"HTTP {status}: {snippet}")
+        if status >= 400:
+            raise _Fatal("http_4xx", f"HTTP {status}: {snippet}")
+        return _content(raw, snippet)
+
+
+def _seconds(header: str | None) -> float | None:
+    try:
+        return max(0.0, float(header)) if header is not None else None
+    except ValueError:
+        return None  # an HTTP date: fall back to our own backoff
+
+
+def _content(raw: str, snippet: str) -> str:
+    """The assistant message of a chat.completion body (a malformed body is retryable)."""
+    try:
+        content = json.loads(raw)["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise _Retryable("malformed", f"not a chat.completion body: {snippet!r}") from None
+    if not isinstance(content, str):
+        raise _Retryable("malformed", f"message content is {type(content).__name__}")
+    return content

@@ -1,0 +1,104 @@
+"""A local OpenAI-compatible judge server with scripted faults, shared by the rewards tests.
+
+Each request is keyed by the first `q<N>` token in its last message (the tests put it in the
+question); the key's script is consumed one action per request, the last action repeating.
+Actions: a plain string (the assistant's reply), `("status", code[, body[, headers]])`,
+`("hang", seconds)` (reply late, for timeouts), `("raw", body)` (a 200 that is not a
+chat.completion), `("drop",)` (close the connection without a reply), `("slow", seconds,
+text)` (reply after a delay, for concurrency checks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections import defaultdict
+from typing import Any
+
+from aiohttp import web
+
+Action = str | tuple
+
+
+def completion(text: str) -> dict[str, Any]:
+    return {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": "fake",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+class FakeJudgeServer:
+    def __init__(self, script: dict[str, list[Action]], default: Action = "correct"):
+        self.script = {k: list(v) for k, v in script.items()}
+        self.default = default
+        self.hits: dict[str, int] = defaultdict(int)
+        self.auth: list[str | None] = []
+        self.bodies: list[dict[str, Any]] = []
+        self.arrivals: list[float] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    def _next(self, key: str) -> Action:
+        actions = self.script.get(key) or [self.default]
+        self.hits[key] += 1
+        return actions.pop(0) if len(actions) > 1 else actions[0]
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.arrivals.append(time.monotonic())
+        self.auth.append(request.headers.get("Authorization"))
+        body = await request.json()
+        self.bodies.append(body)
+        m = re.search(r"\b(q\d+)\b", body["messages"][-1]["content"])
+        action = self._next(m.group(1) if m else "")
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._respond(request, action)
+        finally:
+            self.in_flight -= 1
+
+    async def _respond(self, request: web.Request, action: Action) -> web.StreamResponse:
+        if isinstance(action, str):
+            return web.json_response(completion(action))
+        kind, *args = action
+        if kind == "status":
+            code = args[0]
+            text = args[1] if len(args) > 1 else "server error"
+            headers = args[2] if len(args) > 2 else {}
+            return web.Response(status=code, text=text, headers=headers)
+        if kind == "hang":
+            await asyncio.sleep(args[0])
+            return web.json_response(completion("correct"))
+        if kind == "slow":
+            await asyncio.sleep(args[0])
+            return web.json_response(completion(args[1]))
+        if kind == "raw":
+            return web.Response(text=args[0], content_type="application/json")
+        if kind == "drop":
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(text="")
+        raise AssertionError(f"unknown action {action!r}")
+
+    async def __aenter__(self) -> FakeJudgeServer:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}/v1"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+def rubric_reply(**scores: Any) -> str:
+    return json.dumps({"scores": scores})
