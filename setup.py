@@ -25,6 +25,8 @@ setup(
         "aiohttp>=3.9",
         # deep-search environment: the local BM25 index
         "tantivy>=0.27,<0.28",  # pinned: the on-disk index format follows the version
+        # rewards: repairs broken JSON in rubric-judge replies
+        "json-repair>=0.30",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],
