@@ -221,3 +221,28 @@ def test_cli_does_not_import_torch_for_config():
     code = "import sys, megatron_rl.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_failure_while_writing_leaves_nothing(converted, tmp_path):
+    """A shard that turns unreadable after validation: the import fails naming it and no
+    half-written folder stays at the target."""
+    from megatron_rl.checkpoint import hf_io
+
+    _, hf, _, _, _ = converted["tiny-moe"]
+    target = tmp_path / "target"
+    real_get = hf_io.HFCheckpoint.get
+    calls = {"n": 0}
+
+    def flaky(self, name):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise OSError(f"{self.path}/model.safetensors: read error")
+        return real_get(self, name)
+
+    hf_io.HFCheckpoint.get = flaky
+    try:
+        with pytest.raises(OSError, match="read error"):
+            cc.import_hf(str(hf), str(target), "tiny-moe", progress=False)
+    finally:
+        hf_io.HFCheckpoint.get = real_get
+    assert not target.exists() and not list(tmp_path.glob(".tmp-target*"))

@@ -53,8 +53,16 @@ def import_hf(hf_dir: str, out_dir: str, model_name: str, dtype: str = "fp32",
     planner = _StreamingImportPlanner(wmap, hf, out_dtype, progress)
 
     def write(folder: Path) -> None:
-        save({}, storage_writer=FileSystemWriter(str(folder), thread_count=1),
-             planner=planner, no_dist=True)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            save({}, storage_writer=FileSystemWriter(str(folder), thread_count=1),
+                 planner=planner, no_dist=True)
+        except CheckpointException as e:  # DCP wraps the reader's error: surface it
+            cause = next(iter(e.failures.values()), (None, None))[0]  # (exception, trace)
+            if isinstance(cause, BaseException):
+                raise cause from e
+            raise
         (folder / "metadata.json").write_text(
             json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
 

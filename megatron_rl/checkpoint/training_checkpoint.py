@@ -264,10 +264,15 @@ def write_sharded(state: dict[str, Any] | None, root: Path, name: str, info: dic
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    if save is not None:
-        save(tmp)
-    else:
-        dist_checkpointing.save(state, str(tmp))
+    try:
+        if save is not None:
+            save(tmp)
+        else:
+            dist_checkpointing.save(state, str(tmp))
+    except BaseException:
+        if _rank() == 0:  # nothing half-written stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _barrier()
     _write_manifest(tmp, info)
     if _rank() == 0:
