@@ -1,7 +1,8 @@
 """A local OpenAI-compatible judge server with scripted faults, shared by the rewards tests.
 
-Each request is keyed by the first `q<N>` token in its last message (the tests put it in the
-question); the key's script is consumed one action per request, the last action repeating.
+Each request is keyed by the last match of `key_pattern` (default `q<N>`) in its last message
+(the tests put it in the question, or in a turn's text); the key's script is consumed one
+action per request, the last action repeating.
 Actions: a plain string (the assistant's reply), `("status", code[, body[, headers]])`,
 `("hang", seconds)` (reply late, for timeouts), `("raw", body)` (a 200 that is not a
 chat.completion), `("drop",)` (close the connection without a reply), `("slow", seconds,
@@ -30,9 +31,11 @@ def completion(text: str) -> dict[str, Any]:
 
 
 class FakeJudgeServer:
-    def __init__(self, script: dict[str, list[Action]], default: Action = "correct"):
+    def __init__(self, script: dict[str, list[Action]], default: Action = "correct",
+                 key_pattern: str = r"\b(q\d+)\b"):
         self.script = {k: list(v) for k, v in script.items()}
         self.default = default
+        self.key_pattern = re.compile(key_pattern)
         self.hits: dict[str, int] = defaultdict(int)
         self.auth: list[str | None] = []
         self.bodies: list[dict[str, Any]] = []
@@ -52,8 +55,8 @@ class FakeJudgeServer:
         self.auth.append(request.headers.get("Authorization"))
         body = await request.json()
         self.bodies.append(body)
-        m = re.search(r"\b(q\d+)\b", body["messages"][-1]["content"])
-        action = self._next(m.group(1) if m else "")
+        keys = self.key_pattern.findall(body["messages"][-1]["content"])
+        action = self._next(keys[-1] if keys else "")
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:

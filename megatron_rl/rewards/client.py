@@ -6,6 +6,10 @@ It never raises for a failed call: `call` returns `(value, None)` or `(None, rea
 retries are spent, so one bad judge reply cannot crash a batch. The API key is read from the
 environment variable the config names, sent only in the Authorization header, and scrubbed from
 every message this module produces (a server may echo it back in an error body).
+
+The token bucket, Retry-After parsing and the secret registry are env's (`env/reliability.py`);
+the retry loop is separate from env's `Guard` because judge failures are counted per kind, an
+unparseable reply is retried like a transport error, and a retry moves to the next URL.
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ import json
 import logging
 import os
 import random
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
+
+from megatron_rl.env.reliability import TokenBucket, parse_retry_after, redact, register_secret
 
 log = logging.getLogger("megatron_rl.rewards")
 T = TypeVar("T")
@@ -77,35 +82,6 @@ class ClientConfig:
         return cls(**d)
 
 
-class TokenBucket:
-    """`rate` tokens per second, at most `capacity` banked; `acquire` waits for one token.
-    Waiters are served in order (the lock is held while waiting)."""
-
-    def __init__(self, rate: float, capacity: int = 1):
-        self.rate = rate
-        self.capacity = capacity
-        self.tokens = float(capacity)
-        self.stamp = time.monotonic()
-        self._lock: asyncio.Lock | None = None
-
-    def reset_loop(self) -> None:
-        self._lock = None  # asyncio primitives belong to one event loop
-
-    async def acquire(self) -> None:
-        if self.rate <= 0:
-            return
-        self._lock = self._lock or asyncio.Lock()
-        async with self._lock:
-            while True:
-                now = time.monotonic()
-                self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-                self.stamp = now
-                if self.tokens >= 1:
-                    self.tokens -= 1
-                    return
-                await asyncio.sleep((1 - self.tokens) / self.rate)
-
-
 class _Retryable(Exception):
     """One failed attempt worth retrying; `kind` names it for the stats."""
 
@@ -134,7 +110,9 @@ class ChatClient:
             if not self._key:
                 raise ValueError(f"judge API key: environment variable {config.api_key_env} "
                                  "is not set")
-        self.bucket = TokenBucket(config.requests_per_s, config.burst)
+            register_secret(self._key)  # scrubbed from every message of rewards/ and env/
+        self.bucket = (TokenBucket(config.requests_per_s, config.burst)
+                       if config.requests_per_s > 0 else None)
         self.stats: Counter[str] = Counter()
         self._turn = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -144,16 +122,12 @@ class ChatClient:
     def __repr__(self) -> str:
         return f"ChatClient(urls={self.config.urls}, model={self.config.model!r})"
 
-    def redact(self, text: str) -> str:
-        return text.replace(self._key, "***") if self._key else text
-
     def _bind(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         # a session and a semaphore belong to one event loop; callers may run several in turn
         loop = asyncio.get_running_loop()
         if self._loop is not loop or self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession()
             self._sem = asyncio.Semaphore(self.config.max_concurrency)
-            self.bucket.reset_loop()
             self._loop = loop
         assert self._sem is not None
         return self._session, self._sem
@@ -197,11 +171,11 @@ class ChatClient:
                     raise _Retryable("unparseable", f"{e}") from None
             except _Fatal as e:
                 self.stats[e.kind] += 1
-                last = self.redact(f"{e.kind}: {e}")
+                last = redact(f"{e.kind}: {e}")
                 break
             except _Retryable as e:
                 self.stats[e.kind] += 1
-                last = self.redact(f"{e.kind}: {e}")
+                last = redact(f"{e.kind}: {e}")
                 if attempt == self.config.max_retries:
                     break
                 delay = self._delay(attempt, e.retry_after)
@@ -219,7 +193,8 @@ class ChatClient:
                 "temperature": c.temperature, **c.extra_body}
         headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
         session, sem = self._bind()
-        await self.bucket.acquire()
+        if self.bucket is not None:
+            await self.bucket.acquire()
         async with sem:
             self.stats["attempts"] += 1
             try:
@@ -233,19 +208,12 @@ class ChatClient:
                 raise _Retryable("connection", f"{type(e).__name__}: {e}") from None
         snippet = " ".join(raw.split())[:200]
         if status == 429:
-            raise _Retryable("http_429", f"HTTP 429: {snippet}", _seconds(retry_after))
+            raise _Retryable("http_429", f"HTTP 429: {snippet}", parse_retry_after(retry_after))
         if status >= 500:
             raise _Retryable("http_5xx", f"HTTP {status}: {snippet}")
         if status >= 400:
             raise _Fatal("http_4xx", f"HTTP {status}: {snippet}")
         return _content(raw, snippet)
-
-
-def _seconds(header: str | None) -> float | None:
-    try:
-        return max(0.0, float(header)) if header is not None else None
-    except ValueError:
-        return None  # an HTTP date: fall back to our own backoff
 
 
 def _content(raw: str, snippet: str) -> str:

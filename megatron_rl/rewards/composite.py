@@ -1,0 +1,121 @@
+"""Composite reward assembly: outcome (judge) + per-turn rubric scores, written on the
+Trajectories the RL loop consumes.
+
+- `trajectory.rewards["outcome"]`: the judge's score of the final answer. A truncated
+  trajectory (its last turn hit the length limit, or it is labelled `overlong`) or one with no
+  answer scores 0 without a judge call.
+- `turn.rewards["rubric"]`: the rubric score of each Planner / Synthesizer turn, in [0, 1].
+- A judge that fails labels the trajectory `judge_error` (an environment failure) and writes no
+  reward: it is not a 0, and the loss leaves it out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rl.rewards.base import (
+    JUDGE_ERROR,
+    Judge,
+    Verdict,
+    extract_answer,
+    judge_failed,
+    no_answer,
+)
+from megatron_rl.rewards.client import ClientConfig
+from megatron_rl.rewards.genrm import GenRMJudge
+from megatron_rl.rewards.rubric import RubricScorer
+from megatron_rl.rewards.rule import RuleJudge
+from megatron_rl.rollout.trajectory import Trajectory
+
+log = logging.getLogger("megatron_rl.rewards")
+
+
+def is_truncated(traj: Trajectory) -> bool:
+    return "overlong" in traj.labels or bool(traj.turns and
+                                             traj.turns[-1].finish_reason == "length")
+
+
+def final_answer(traj: Trajectory) -> str | None:
+    """The answer the agent recorded, else the one extracted from the last turn's text."""
+    if traj.answer is not None:
+        return traj.answer.strip() or None
+    return extract_answer(traj.turns[-1].text) if traj.turns else None
+
+
+async def judge_trajectory(traj: Trajectory, judge: Judge) -> Verdict:
+    """Judge one trajectory and record the result on it; never raises for a judge failure."""
+    if traj.reference is None:
+        raise ValueError(f"trajectory {traj.uid}: no reference answer to judge against")
+    if is_truncated(traj):
+        verdict = no_answer("truncated")
+    else:
+        try:
+            verdict = await judge.judge(traj.question, final_answer(traj), traj.reference)
+        except Exception as e:  # a judge bug must not take the whole group down
+            log.warning("judge raised on trajectory %s: %s: %s", traj.uid, type(e).__name__, e)
+            verdict = judge_failed(f"judge raised {type(e).__name__}")
+    traj.metadata["judge"] = {"correct": verdict.correct, "detail": verdict.detail}
+    if verdict.error:
+        traj.add_label(JUDGE_ERROR)
+        traj.rewards.pop("outcome", None)
+    else:
+        traj.rewards["outcome"] = verdict.score
+    return verdict
+
+
+async def score_group(trajectories: list[Trajectory], judge: Judge,
+                      rubric: RubricScorer | None = None) -> list[Verdict]:
+    """Judge a group (and rubric-score its turns) concurrently; returns the verdicts in order.
+
+    The judge's own limits (concurrency cap, rate) bound what is in flight."""
+    missing = [t.uid for t in trajectories if t.reference is None]
+    if missing:
+        raise ValueError(f"no reference answer for trajectories {', '.join(missing)}")
+
+    jobs = [judge_trajectory(t, judge) for t in trajectories]
+    if rubric is not None:
+        jobs += [_rubric_trajectory(t, rubric) for t in trajectories]
+    results = await asyncio.gather(*jobs)
+    return list(results[:len(trajectories)])
+
+
+async def _rubric_trajectory(traj: Trajectory, rubric: RubricScorer) -> None:
+    try:
+        await rubric.score_trajectory(traj)
+    except Exception as e:  # e.g. a custom context_fn that breaks on an odd trajectory
+        log.warning("rubric scoring raised on %s: %s: %s", traj.uid, type(e).__name__, e)
+        traj.add_label(JUDGE_ERROR)
+
+
+@dataclass
+class RewardWeights:
+    outcome: float = 1.0
+    rubric: float = 0.0
+
+
+def turn_rewards(traj: Trajectory, weights: RewardWeights | None = None) -> list[float] | None:
+    """One scalar per turn: outcome * w_outcome + rubric * w_rubric (a turn without a rubric
+    score gets the outcome part only). None for environment failures: they carry no reward."""
+    w = weights or RewardWeights()
+    if traj.env_failure or "outcome" not in traj.rewards:
+        return None
+    base = w.outcome * traj.rewards["outcome"]
+    return [base + w.rubric * t.rewards["rubric"] if "rubric" in t.rewards else base
+            for t in traj.turns]
+
+
+def build_judge(spec: dict[str, Any] | None = None) -> Judge:
+    """`{"kind": "rule", "metric": "em"|"f1"}` (the default) or `{"kind": "genrm", "prompt":
+    ..., **ClientConfig fields}` (base_url, model, api_key_env, limits)."""
+    spec = dict(spec or {"kind": "rule"})
+    kind = spec.pop("kind", "rule")
+    if kind == "rule":
+        return RuleJudge(**spec)
+    if kind == "genrm":
+        prompt = spec.pop("prompt", None)
+        client = ClientConfig.from_dict(spec, where="judge (genrm)")
+        return GenRMJudge(client, prompt) if prompt else GenRMJudge(client)
+    raise ValueError(f"judge kind={kind!r}: 'rule' or 'genrm'")
