@@ -105,3 +105,19 @@ class FakeJudgeServer:
 
 def rubric_reply(**scores: Any) -> str:
     return json.dumps({"scores": scores})
+
+
+def test_fake_server_consumes_a_script_and_repeats_its_last_action() -> None:
+    import aiohttp
+
+    async def scenario() -> tuple[list[int], dict[str, int]]:
+        async with FakeJudgeServer({"q1": [("status", 500), "correct"]}) as srv, \
+                aiohttp.ClientSession() as s:
+            statuses = []
+            for _ in range(3):
+                body = {"messages": [{"role": "user", "content": "q1"}]}
+                async with s.post(srv.url + "/chat/completions", json=body) as r:
+                    statuses.append(r.status)
+            return statuses, dict(srv.hits)
+
+    assert asyncio.run(scenario()) == ([500, 200, 200], {"q1": 3})

@@ -51,6 +51,14 @@ def references(reference: str) -> list[str]:
     return [reference]
 
 
+def clip(text: str, limit: int) -> str:
+    """Head and tail of a long text, so a judge prompt stays within its context."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+
+
 _THINK = re.compile(r"<think>.*?</think>", re.S)
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.S)
 _FINAL = re.compile(r"final\s+answer\s*(?:is)?\s*[*_]*\s*[:：]\s*[*_]*\s*(.+)", re.I)

@@ -180,7 +180,7 @@ class ChatClient:
                     break
                 delay = self._delay(attempt, e.retry_after)
                 self.stats["retries"] += 1
-                log.warning("judge call to %s failed (%s); retry %d/%d in %.2fs", url, last,
+                log.info("judge call to %s failed (%s); retry %d/%d in %.2fs", url, last,
                             attempt + 1, self.config.max_retries, delay)
                 await asyncio.sleep(delay)
         self.stats["failures"] += 1
@@ -193,9 +193,9 @@ class ChatClient:
                 "temperature": c.temperature, **c.extra_body}
         headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
         session, sem = self._bind()
-        if self.bucket is not None:
-            await self.bucket.acquire()
         async with sem:
+            if self.bucket is not None:  # after the slot: a token is spent only when sending
+                await self.bucket.acquire()
             self.stats["attempts"] += 1
             try:
                 async with session.post(f"{url}/chat/completions", json=body, headers=headers,

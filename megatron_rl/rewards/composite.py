@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl.env.reliability import redact
 from megatron_rl.rewards.base import (
     JUDGE_ERROR,
     Judge,
@@ -55,7 +56,8 @@ async def judge_trajectory(traj: Trajectory, judge: Judge) -> Verdict:
         try:
             verdict = await judge.judge(traj.question, final_answer(traj), traj.reference)
         except Exception as e:  # a judge bug must not take the whole group down
-            log.warning("judge raised on trajectory %s: %s: %s", traj.uid, type(e).__name__, e)
+            log.warning("judge raised on trajectory %s: %s: %s", traj.uid, type(e).__name__,
+                        redact(str(e)))
             verdict = judge_failed(f"judge raised {type(e).__name__}")
     traj.metadata["judge"] = {"correct": verdict.correct, "detail": verdict.detail}
     if verdict.error:
@@ -86,7 +88,8 @@ async def _rubric_trajectory(traj: Trajectory, rubric: RubricScorer) -> None:
     try:
         await rubric.score_trajectory(traj)
     except Exception as e:  # e.g. a custom context_fn that breaks on an odd trajectory
-        log.warning("rubric scoring raised on %s: %s: %s", traj.uid, type(e).__name__, e)
+        log.warning("rubric scoring raised on %s: %s: %s", traj.uid, type(e).__name__,
+                    redact(str(e)))
         traj.add_label(JUDGE_ERROR)
 
 

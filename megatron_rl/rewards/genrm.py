@@ -11,7 +11,14 @@ from __future__ import annotations
 import asyncio
 import re
 
-from megatron_rl.rewards.base import Verdict, judge_failed, no_answer, references, strip_thinking
+from megatron_rl.rewards.base import (
+    Verdict,
+    clip,
+    judge_failed,
+    no_answer,
+    references,
+    strip_thinking,
+)
 from megatron_rl.rewards.client import ChatClient, ClientConfig
 
 GENRM_SYSTEM = "You are a strict grader of answers to factual questions."
@@ -52,10 +59,13 @@ def parse_verdict(text: str) -> bool:
     raise ValueError(f"unparseable verdict: {text[:200]!r}")
 
 
-def build_messages(question: str, answer: str, reference: str,
-                   prompt: str = GENRM_PROMPT) -> list[dict[str, str]]:
+def build_messages(question: str, answer: str, reference: str, prompt: str = GENRM_PROMPT,
+                   max_answer_chars: int = 2000) -> list[dict[str, str]]:
     refs = references(reference)
     ref_text = refs[0] if len(refs) == 1 else " | ".join(refs) + " (any one of these)"
+    # a degenerate (looping) answer must not overflow the judge's context: that 400 would be
+    # labelled judge_error, an environment failure, for what is the policy's fault
+    answer = clip(answer, max_answer_chars)
     return [{"role": "system", "content": GENRM_SYSTEM},
             {"role": "user", "content": prompt.format(question=question, reference=ref_text,
                                                       answer=answer)}]

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.rewards.base import JUDGE_ERROR, strip_thinking
+from megatron_rl.config.loader import CONFIG_ROOT
+from megatron_rl.rewards.base import JUDGE_ERROR, clip, strip_thinking
 from megatron_rl.rewards.client import ChatClient, ClientConfig
 from megatron_rl.rollout.trajectory import Trajectory
 
 ANCHORS = ("5", "3", "1", "N/A")
-RUBRIC_DIR = Path(__file__).resolve().parents[2] / "configs" / "rubrics"
+RUBRIC_DIR = CONFIG_ROOT / "rubrics"
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -227,13 +228,6 @@ condition holds. Reply with JSON only, in this form:
 {example}"""
 
 
-def _clip(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
-
-
 def build_messages(rubric: Rubric, question: str, context: str, output: str,
                    max_chars: int = 12000) -> list[dict[str, str]]:
     dims = "\n\n".join(
@@ -241,8 +235,8 @@ def build_messages(rubric: Rubric, question: str, context: str, output: str,
         + "\n".join(f"- {k}: {d.anchors[k]}" for k in ANCHORS) for d in rubric.dimensions)
     example = json.dumps({"scores": {d.name: 3 for d in rubric.dimensions}})
     prompt = RUBRIC_PROMPT.format(role=rubric.role, description=rubric.description,
-                                  question=question, context=_clip(context, max_chars),
-                                  output=_clip(strip_thinking(output), max_chars) or "(empty)",
+                                  question=question, context=clip(context, max_chars),
+                                  output=clip(strip_thinking(output), max_chars) or "(empty)",
                                   dimensions=dims, example=example)
     return [{"role": "system", "content": "You grade the turns of a search agent strictly, "
                                           "by the rubric given."},

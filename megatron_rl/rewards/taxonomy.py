@@ -50,7 +50,8 @@ def taxonomy_metrics(trajectories: list[Trajectory], *, pass_threshold: float = 
     out["rollout/turns_mean"] = len(turns) / n
     out["rollout/output_tokens_mean"] = sum(len(x.output_ids) for x in turns) / n
     if turns:
-        out["rollout/length_finish_rate"] = _mean([x.finish_reason == "length" for x in turns])
+        out["rollout/length_finish_rate"] = sum(x.finish_reason == "length"
+                                                for x in turns) / len(turns)
 
     role_turns: dict[str, int] = defaultdict(int)
     role_rewards: dict[str, list[float]] = defaultdict(list)
