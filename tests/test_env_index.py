@@ -7,13 +7,14 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from megatron_rl.cli import main as cli_main
-from megatron_rl.data.world import generate_world, write_corpus
+from megatron_rl.data.world import build_world_index, generate_world, write_corpus
 from megatron_rl.env.base import Tool, Toolbox, ToolResult, tool_spec, validate_arguments
 from megatron_rl.env.index import CorpusError, IndexOpenError, SearchIndex, build_index
 from megatron_rl.env.search import LocalSearch
@@ -29,10 +30,7 @@ def world():
 
 @pytest.fixture(scope="module")
 def index_dir(world, tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("env_index")
-    write_corpus(world, d / "corpus.parquet")
-    build_index(d / "corpus.parquet", d / "index", progress=False)
-    return d / "index"
+    return build_world_index(world, tmp_path_factory.mktemp("env_index"))
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +87,8 @@ def test_supporting_page_ranks_in_top_k(world, index):
 
 
 def test_queries_with_syntax_never_raise(index):
-    for q in ['"unbalanced', "title:foo (bar", "AND OR NOT", "a:b:c", "?!", "x" * 500, "ß ü 北京"]:
+    for q in ['"unbalanced', "title:foo (bar", "AND OR NOT", "the of which", "a:b:c", "?!",
+              "x" * 500, "ß ü 北京"]:
         assert isinstance(index.search(q, 3), list)
     assert index.search("?!", 3) == []
 
@@ -206,16 +205,30 @@ def test_local_search_and_visit_answer_a_two_hop_question(world, index):
     assert results[0].content.startswith(f"A search for '{q.question}' found 3 results:")
 
 
+class _Broken:
+    """A tool not built on ManagedTool that raises: the toolbox still labels it."""
+
+    name, description, failure_label = "broken", "raises", "visit_error"
+    parameters: ClassVar[dict] = {"type": "object", "properties": {}}
+
+    async def __call__(self, /, **arguments: object) -> ToolResult:
+        raise RuntimeError("bug")
+
+
 def test_toolbox_and_visit_failures_are_labelled(index):
-    box = Toolbox([LocalSearch(index), Visit(LocalPages(index))])
+    box = Toolbox([LocalSearch(index), Visit(LocalPages(index)), _Broken()])
 
     async def calls() -> list[ToolResult]:
-        return [await box.call("browse", {}), await box.call("search", "{not json"),
-                await box.call("search", "[1]"), await box.call("search", {"q": "x"}),
-                await box.call("visit", {"url": "https://nowhere.test/"})]
+        out = [await box.call("browse", {}), await box.call("search", "{not json"),
+               await box.call("search", "[1]"), await box.call("search", {"q": "x"}),
+               await box.call("visit", {"url": "https://nowhere.test/"}),
+               await box.call("broken", None)]
+        await box.close()
+        return out
 
     rs = asyncio.run(calls())
-    assert [r.error for r in rs] == ["bad_arguments"] * 4 + ["visit_error"]
+    assert [r.error for r in rs] == ["bad_arguments"] * 4 + ["visit_error"] * 2
+    assert rs[5].detail == "RuntimeError: bug"
     assert all(not r.ok and r.content.startswith("[") for r in rs)
     assert "unknown tool 'browse'" in rs[0].detail
     assert "no page at https://nowhere.test/" in rs[4].detail

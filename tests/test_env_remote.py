@@ -255,6 +255,20 @@ def test_cache_hits_on_repeated_and_equivalent_calls(tmp_path):
     assert fake.hits("/search") == 2 and fake.hits("/broken/search") == 2
 
 
+def test_sqlite_cache_upsert_and_ttl():
+    async def go() -> list[Any]:
+        cache = SqliteCache(":memory:", ttl_s=0.2)
+        await cache.put("k", "search", {"content": "old"})
+        await cache.put("k", "search", {"content": "new"})
+        fresh = await cache.get("k")
+        await asyncio.sleep(0.25)
+        out = [fresh, await cache.get("k"), await cache.get("missing")]
+        cache.close()
+        return out
+
+    assert run(go()) == [{"content": "new"}, None, None]
+
+
 def test_rate_limit_spaces_requests():
     fake = FakeServer()
     fake.on("/search", Reply(body=results_json("u")))

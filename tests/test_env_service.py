@@ -14,8 +14,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from megatron_rl.data.world import generate_world, write_corpus
-from megatron_rl.env.index import SearchIndex, build_index
+from megatron_rl.data.world import build_world_index, generate_world
+from megatron_rl.env.index import SearchIndex
 from megatron_rl.env.search import HttpSearch, LocalSearch
 from megatron_rl.env.service import start_service
 from megatron_rl.env.visit import HttpPages, LocalPages, Visit
@@ -30,10 +30,7 @@ def world():
 
 @pytest.fixture(scope="module")
 def index_dir(world, tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("env_service")
-    write_corpus(world, d / "corpus.jsonl")
-    build_index(d / "corpus.jsonl", d / "index", progress=False)
-    return d / "index"
+    return build_world_index(world, tmp_path_factory.mktemp("env_service"), "jsonl")
 
 
 def test_service_matches_local_tools(world, index_dir):

@@ -352,6 +352,16 @@ def write_corpus(world: World, path: str | Path, batch_rows: int = 20_000) -> in
     raise ValueError(f"{path}: write .parquet or .jsonl")
 
 
+def build_world_index(world: World, folder: str | Path, fmt: str = "parquet") -> Path:
+    """Write the pages to `folder/corpus.<fmt>` and index them into `folder/index` (returned)."""
+    from megatron_rl.env.index import build_index
+
+    folder = Path(folder)
+    write_corpus(world, folder / f"corpus.{fmt}")
+    build_index(folder / f"corpus.{fmt}", folder / "index", progress=False)
+    return folder / "index"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="write a generated corpus (and questions)")
     p.add_argument("--docs", type=int, default=10_000)

@@ -149,4 +149,16 @@ class Toolbox:
         if not isinstance(arguments, dict):
             return ToolResult.failure("bad_arguments", "arguments must be a JSON object, got "
                                       f"{type(arguments).__name__}", tool=name)
-        return await tool(**arguments)
+        try:
+            return await tool(**arguments)
+        except Exception as e:  # tools built on ManagedTool never raise; others might
+            from megatron_rl.env.reliability import redact
+
+            label = getattr(tool, "failure_label", "search_error")
+            return ToolResult.failure(label, redact(f"{type(e).__name__}: {e}"), tool=name)
+
+    async def close(self) -> None:
+        for tool in self.tools.values():
+            close = getattr(tool, "close", None)
+            if close is not None:
+                await close()

@@ -200,33 +200,36 @@ class ToolCache(Protocol):
     def close(self) -> None: ...
 
 
-class SqliteCache:
-    """One table in a sqlite file (WAL, so several rollout processes can share it)."""
+class _SqlCache:
+    """One `tool_cache` table behind a DB-API connection; calls run in a worker thread."""
 
-    def __init__(self, path: str | Path, ttl_s: float | None = None):
-        self.path = str(path)
+    _param = "?"  # the driver's placeholder
+    _real = "REAL"
+
+    def __init__(self, db: Any, ttl_s: float | None):
+        self._db = db
         self.ttl_s = ttl_s
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30,
-                                   isolation_level=None)
-        if self.path != ":memory:":
-            self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS tool_cache (key TEXT PRIMARY KEY, "
-                         "tool TEXT, value TEXT, created REAL)")
+                         f"tool TEXT, value TEXT, created {self._real})")
+
+    def _sql(self, query: str) -> str:
+        return query.replace("?", self._param)
 
     def _get(self, key: str) -> dict[str, Any] | None:
         with self._lock:
-            row = self._db.execute("SELECT value, created FROM tool_cache WHERE key = ?",
-                                   (key,)).fetchone()
+            row = self._db.execute(self._sql("SELECT value, created FROM tool_cache WHERE "
+                                             "key = ?"), (key,)).fetchone()
         if row is None or (self.ttl_s is not None and time.time() - row[1] > self.ttl_s):
             return None
         return json.loads(row[0])
 
     def _put(self, key: str, tool: str, value: dict[str, Any]) -> None:
+        # upsert syntax shared by sqlite >= 3.24 and Postgres
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO tool_cache VALUES (?, ?, ?, ?)",
+            self._db.execute(self._sql("INSERT INTO tool_cache VALUES (?, ?, ?, ?) ON CONFLICT "
+                                       "(key) DO UPDATE SET value = excluded.value, "
+                                       "created = excluded.created"),
                              (key, tool, json.dumps(value), time.time()))
 
     async def get(self, key: str) -> dict[str, Any] | None:
@@ -240,8 +243,25 @@ class SqliteCache:
             self._db.close()
 
 
-class PostgresCache:
+class SqliteCache(_SqlCache):
+    """A sqlite file (WAL, so several rollout processes on one machine can share it)."""
+
+    def __init__(self, path: str | Path, ttl_s: float | None = None):
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, check_same_thread=False, timeout=30,
+                             isolation_level=None)
+        if self.path != ":memory:":
+            db.execute("PRAGMA journal_mode=WAL")
+        super().__init__(db, ttl_s)
+
+
+class PostgresCache(_SqlCache):
     """The same table in Postgres, for rollout workers on many machines (needs psycopg 3)."""
+
+    _param = "%s"
+    _real = "DOUBLE PRECISION"
 
     def __init__(self, url: str, ttl_s: float | None = None):
         try:
@@ -249,39 +269,12 @@ class PostgresCache:
         except ImportError:
             raise RuntimeError("a postgresql:// tool cache needs psycopg 3: "
                                "pip install 'psycopg[binary]'") from None
-        self.ttl_s = ttl_s
-        self._lock = threading.Lock()
         try:
-            self._db = psycopg.connect(url, autocommit=True)
+            db = psycopg.connect(url, autocommit=True)
         except psycopg.Error as e:
             raise RuntimeError("tool cache: cannot connect to Postgres: "
                                f"{redact(str(e))}") from None
-        self._db.execute("CREATE TABLE IF NOT EXISTS tool_cache (key TEXT PRIMARY KEY, "
-                         "tool TEXT, value TEXT, created DOUBLE PRECISION)")
-
-    def _get(self, key: str) -> dict[str, Any] | None:
-        with self._lock:
-            row = self._db.execute("SELECT value, created FROM tool_cache WHERE key = %s",
-                                   (key,)).fetchone()
-        if row is None or (self.ttl_s is not None and time.time() - row[1] > self.ttl_s):
-            return None
-        return json.loads(row[0])
-
-    def _put(self, key: str, tool: str, value: dict[str, Any]) -> None:
-        with self._lock:
-            self._db.execute("INSERT INTO tool_cache VALUES (%s, %s, %s, %s) ON CONFLICT (key) "
-                             "DO UPDATE SET value = EXCLUDED.value, created = EXCLUDED.created",
-                             (key, tool, json.dumps(value), time.time()))
-
-    async def get(self, key: str) -> dict[str, Any] | None:
-        return await asyncio.to_thread(self._get, key)
-
-    async def put(self, key: str, tool: str, value: dict[str, Any]) -> None:
-        await asyncio.to_thread(self._put, key, tool, value)
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        super().__init__(db, ttl_s)
 
 
 def open_cache(url: str | Path | None, ttl_s: float | None = None) -> ToolCache | None:
@@ -344,6 +337,13 @@ class ManagedTool:
 
     async def run(self, args: dict[str, Any]) -> ToolOutput:
         raise NotImplementedError
+
+    async def close(self) -> None:
+        """Close HTTP sessions held by the tool or its parts (`http` attributes)."""
+        for obj in (self, *vars(self).values()):
+            http = getattr(obj, "http", None)
+            if http is not None and hasattr(http, "close"):
+                await http.close()
 
     async def __call__(self, /, **arguments: Any) -> ToolResult:
         t0 = time.perf_counter()

@@ -113,9 +113,6 @@ class HttpSearch(_SearchTool):
             raise ToolError("search_error", f"{where}: response has no 'results'")
         return parse_hits(data["results"], where)
 
-    async def close(self) -> None:
-        await self.http.close()
-
 
 class SerperSearch(_SearchTool):
     """Google web results from Serper.dev (`POST {base_url}/search`, `X-API-KEY` header).
@@ -174,6 +171,3 @@ class SerperSearch(_SearchTool):
         data = await self.http.request("POST", url, label="search_error", where=where,
                                        json_body=body, headers=headers)
         return self.parse_response(data, top_k, where)
-
-    async def close(self) -> None:
-        await self.http.close()

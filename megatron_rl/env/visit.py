@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from megatron_rl.env.base import ToolError
 from megatron_rl.env.http import HttpClient
-from megatron_rl.env.index import Page, SearchIndex
+from megatron_rl.env.index import STOPWORDS, Page, SearchIndex
 from megatron_rl.env.reliability import (
     Guard,
     ManagedTool,
@@ -133,16 +133,13 @@ class Summarizer(Protocol):
 
 
 _WORD = re.compile(r"\w+")
-_STOP = frozenset(
-    "a an the of in on at to for from by with and or is are was were be been what which who whom "
-    "whose when where why how did does do this that these those it its as into about than".split())
 
 
 def _terms(text: str) -> list[str]:
     # crude stemming: enough for "founded"/"founding" or "universities"/"university" to meet
     out = []
     for w in _WORD.findall(text.lower()):
-        if w in _STOP:
+        if w in STOPWORDS:
             continue
         for suffix in ("ies", "ing", "ed", "es", "s"):
             if w.endswith(suffix) and len(w) - len(suffix) >= 3:
