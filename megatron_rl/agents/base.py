@@ -1,0 +1,222 @@
+"""The agent protocol, its configuration, and the episode machinery ReAct and IterSynth share.
+
+An agent turns (question, engine) into a `Trajectory`. It never raises for anything the policy
+or a tool does: bad output becomes a label (`tool_parse_error`, `degenerate`, …), a failed or
+slow tool becomes an error observation plus an environment label. Only the engine itself
+failing (`EngineError`, a dead connection) propagates: that is the scheduler's to retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from megatron_rl.agents.chat import ChatFormat
+from megatron_rl.agents.tool_parser import Action, parse_action
+from megatron_rl.env.base import Tool, tool_spec
+from megatron_rl.rollout.engines.base import (
+    EngineError,
+    GenerateRequest,
+    RolloutEngine,
+    SamplingParams,
+)
+from megatron_rl.rollout.trajectory import ToolCall, Trajectory, Turn
+
+MAX_ABORT_RESUMES = 16  # an engine that keeps aborting one request is broken, not paused
+
+
+def is_degenerate(text: str, min_chars: int = 400, max_ratio: float = 0.1) -> bool:
+    """Highly repetitive output: zlib squeezes it below `max_ratio` of its size. Short texts
+    are never judged (they compress poorly whatever they say); natural text and JSON stay
+    around 0.3-0.6, a looping "the the the …" falls under 0.05."""
+    raw = text.encode("utf-8", "replace")
+    return len(raw) >= min_chars and len(zlib.compress(raw, 6)) / len(raw) < max_ratio
+
+
+@dataclass
+class AgentConfig:
+    max_turns: int = 8                    # assistant messages (ReAct) / planner steps (IterSynth)
+    max_context_tokens: int = 32_768      # a context must leave room for one full response
+    max_tool_calls_per_turn: int = 4      # calls past it are not run (excess_tool_calls)
+    max_tool_calls: int = 24              # per episode; past it the episode ends
+    max_continuations: int = 2            # outputs cut by length resumed per message
+    max_observation_tokens: int = 2_048   # one tool result, clipped
+    tool_timeout_s: float = 120.0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # True for a degenerate message text; None switches the check off
+    degenerate_check: Callable[[str], bool] | None = is_degenerate
+    discard_all: bool = False             # eval only: on overflow restart from the question
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_context_tokens", "max_tool_calls_per_turn",
+                     "max_tool_calls", "max_observation_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AgentConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.max_continuations < 0 or self.tool_timeout_s <= 0:
+            raise ValueError("max_continuations must be >= 0 and tool_timeout_s > 0")
+        if self.sampling.max_new_tokens < 1:
+            raise ValueError("sampling.max_new_tokens must be >= 1")
+        if self.sampling.max_new_tokens >= self.max_context_tokens:
+            raise ValueError(f"sampling.max_new_tokens={self.sampling.max_new_tokens} leaves no "
+                             f"room for a prompt in max_context_tokens={self.max_context_tokens}")
+
+
+@runtime_checkable
+class Agent(Protocol):
+    async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
+                  group_id: str, uid: str) -> Trajectory: ...
+
+
+def failure_label(tool: Tool, error: str | None) -> str:
+    """Trajectory label for a failed tool call. The tool's own label when it names a backend;
+    bad arguments are the model's fault; timeouts, rate limits and exceptions are charged to
+    the tool's backend: its `failure_label` (env's tools set it), else what its name says."""
+    if error in ("search_error", "visit_error", "summarizer_error"):
+        return error
+    if error == "bad_arguments":
+        return "tool_parse_error"
+    own = getattr(tool, "failure_label", None)
+    if own in ("search_error", "visit_error", "summarizer_error"):
+        return own
+    name = tool.name.lower()
+    if "summar" in name:
+        return "summarizer_error"
+    return "search_error" if "search" in name else "visit_error"
+
+
+@dataclass
+class Message:
+    """One assistant message: its engine calls (one, or more when a cut output was resumed)."""
+
+    turns: list[Turn]
+    output_ids: list[int]
+    text: str
+    ended: bool  # the episode ended inside it (a label says why)
+
+
+class BaseAgent:
+    """Shared episode steps: generate one message, parse it, run its tool calls."""
+
+    def __init__(self, tokenizer: Any, tools: Sequence[Tool], config: AgentConfig | None = None):
+        self.config = config or AgentConfig()
+        self.chat = ChatFormat(tokenizer, chat_template_kwargs=self.config.chat_template_kwargs)
+        self.tools: dict[str, Tool] = {t.name: t for t in tools}
+        self.specs = [tool_spec(t) for t in tools]
+        self.schemas = {t.name: t.parameters for t in tools}
+        stops = sorted(set(self.config.sampling.stop_token_ids) | {self.chat.im_end_id})
+        self.sampling = dataclasses.replace(self.config.sampling, stop_token_ids=stops)
+
+    def overflows(self, context: Sequence[int]) -> bool:
+        return len(context) + self.sampling.max_new_tokens > self.config.max_context_tokens
+
+    async def message(self, engine: RolloutEngine, traj: Trajectory, context: list[int],
+                      role: str) -> Message:
+        """Generate until the message ends: a cut (`length`) output is resumed from context +
+        output up to `max_continuations` times, an aborted one (weight update) always."""
+        cfg = self.config
+        out: list[int] = []
+        turns: list[Turn] = []
+        cuts = aborts = 0
+        while True:
+            if self.overflows(context):
+                traj.add_label("overlong", traj.turns[-1] if traj.turns else None)
+                return Message(turns, out, self.chat.decode(out), True)
+            rid = f"{traj.uid}/{len(traj.turns)}"
+            res = await engine.generate(GenerateRequest(rid, list(context), self.sampling))
+            turn = Turn(role, list(context), list(res.output_ids), list(res.output_logprobs),
+                        list(res.weight_versions), finish_reason=res.finish_reason,
+                        text=self.chat.decode(res.output_ids))
+            traj.turns.append(turn)
+            turns.append(turn)
+            out += res.output_ids
+            text = self.chat.decode(out)
+            if cfg.degenerate_check is not None and cfg.degenerate_check(text):
+                traj.add_label("degenerate", turn)
+                return Message(turns, out, text, True)
+            if res.finish_reason == "stop":
+                return Message(turns, out, text, False)
+            if res.finish_reason == "abort":
+                aborts += 1
+                if aborts > MAX_ABORT_RESUMES:
+                    raise EngineError(f"request {rid} aborted {aborts} times")
+            else:
+                cuts += 1
+                if cuts > cfg.max_continuations:  # longer than any response may be
+                    traj.add_label("overlong", turn)
+                    return Message(turns, out, text, True)
+            context = context + list(res.output_ids)
+
+    def parse(self, text: str) -> Action:
+        return parse_action(text, self.schemas)
+
+    async def act(self, traj: Trajectory, msg: Message, step: int
+                  ) -> tuple[list[ToolCall], bool] | None:
+        """Parse a finished message and run its tool calls: (calls, within the episode's call
+        budget), or None when the episode ends here (an answer, no action, the last allowed
+        step, or a label raised while generating)."""
+        if msg.ended:
+            return None
+        action = self.parse(msg.text)
+        last = msg.turns[-1]
+        if action.kind == "answer":
+            traj.answer = action.answer
+            return None
+        if action.kind == "none":
+            return None
+        if step == self.config.max_turns - 1:  # acting on the last allowed step: nothing follows
+            last.tool_calls = action.calls
+            for label in [c.error for c in action.errors] + ["max_turns"]:
+                traj.add_label(label, last)
+            return None
+        within_budget = self.budget_calls(traj, action.calls)
+        await self.run_calls(traj, last, action.calls)
+        return action.calls, within_budget
+
+    def budget_calls(self, traj: Trajectory, calls: list[ToolCall]) -> bool:
+        """Mark valid calls past the per-turn and per-episode budgets as not run. False when the
+        episode's budget was exceeded (the episode ends after this turn)."""
+        cfg = self.config
+        used = traj.metadata.get("tool_calls", 0)
+        valid = [c for c in calls if c.error is None]
+        left = cfg.max_tool_calls - used
+        for c in valid[min(cfg.max_tool_calls_per_turn, left):]:
+            c.error = "excess_tool_calls"
+            c.observation = (f"Error: call not run: at most {cfg.max_tool_calls_per_turn} tool "
+                             f"calls per turn and {cfg.max_tool_calls} per episode")
+        return len(valid) <= left
+
+    async def run_calls(self, traj: Trajectory, turn: Turn, calls: list[ToolCall]) -> None:
+        """Run the valid calls concurrently; every call ends with an observation, failures with
+        a label. Attaches the calls to the turn."""
+        turn.tool_calls = calls
+        runs = [self._run_one(c) for c in calls if c.error is None]
+        traj.metadata["tool_calls"] = traj.metadata.get("tool_calls", 0) + len(runs)
+        await asyncio.gather(*runs)
+        for c in calls:
+            if c.error is not None:
+                traj.add_label(c.error, turn)
+
+    async def _run_one(self, call: ToolCall) -> None:
+        tool = self.tools[call.name]
+        timeout = self.config.tool_timeout_s
+        try:
+            result = await asyncio.wait_for(tool(**call.arguments), timeout)
+        except TimeoutError:
+            call.error = failure_label(tool, "timeout")
+            call.observation = f"Error: {call.name} timed out after {timeout:g} s"
+            return
+        except Exception as e:  # a broken tool must not end the episode
+            call.error = failure_label(tool, None)
+            call.observation = f"Error: {call.name} failed ({type(e).__name__})"
+            return
+        if getattr(result, "ok", False):
+            call.observation = str(result.content)
+        else:
+            error = getattr(result, "error", None)
+            call.error = failure_label(tool, error)
+            call.observation = str(getattr(result, "content", "") or f"Error: {error}")

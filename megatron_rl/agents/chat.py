@@ -1,0 +1,141 @@
+"""Qwen3-style ChatML prompts, token in, token out.
+
+The first context of an episode is the tokenizer's chat template (a system prompt that lists the
+tools in Qwen3's `<tools>…</tools>` block, then the user question) rendered and tokenized once.
+After that nothing is ever re-tokenized: each turn appends exactly the ids the engine produced,
+then the observation (a Qwen3 tool-response turn) tokenized on its own. So the context of turn
+k+1 is byte-for-byte the context, output and observation of turn k, and the trainer sees the
+very tokens that were sampled.
+
+Text that does not come from us (questions, pages, search results, summaries) is escaped so it
+can never contain a special or added token of the tokenizer (`<|im_end|>`, `<tool_call>`,
+`</tool_response>`, …): a page cannot close the tool-response turn and speak as the assistant.
+Every tokenized piece of untrusted text is checked for such ids (`UnsafeTextError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+GENERATION_PROMPT = f"{IM_START}assistant\n"
+TRUNCATED = " …[truncated]"
+
+
+class UnsafeTextError(AssertionError):
+    """Escaped text still tokenized to a special/added token id (an escaping bug, never data)."""
+
+
+class ChatFormat:
+    """Tokenizer-bound prompt building for Qwen3's ChatML (also any ChatML tokenizer whose chat
+    template takes `tools`)."""
+
+    def __init__(self, tokenizer: Any, *, chat_template_kwargs: dict[str, Any] | None = None):
+        self.tokenizer = tokenizer
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        ids = tokenizer.convert_tokens_to_ids([IM_START, IM_END])
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if any(i is None or i == unk for i in ids):
+            raise ValueError(f"tokenizer has no {IM_START}/{IM_END} tokens: not a ChatML tokenizer")
+        self.im_start_id, self.im_end_id = ids
+        # every token the tokenizer maps from a literal string ahead of the model's vocabulary
+        added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+        for i in tokenizer.all_special_ids:
+            added.setdefault(i, tokenizer.convert_ids_to_tokens(i))
+        self.protected_ids: frozenset[int] = frozenset(added)
+        self._protected = sorted({s for s in added.values() if s}, key=len, reverse=True)
+        self.generation_prompt = self._generation_prompt()
+
+    def _generation_prompt(self) -> str:
+        """What the template appends for the assistant to speak (`<|im_start|>assistant\n`, plus
+        Qwen3's empty think block with enable_thinking=False); reused after every observation."""
+        msgs = [{"role": "user", "content": "x"}]
+        with_prompt, without = (self.tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=g, tokenize=False, **self.template_kwargs)
+            for g in (True, False))
+        if not with_prompt.startswith(without) or IM_START not in with_prompt[len(without):]:
+            return GENERATION_PROMPT
+        return with_prompt[len(without):]
+
+    # -- tokens ----------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def escape(self, text: str) -> str:
+        """Break every literal occurrence of a special/added token in untrusted text.
+
+        `<|im_end|>` becomes `&lt;|im_end|>` (readable, and no token matches it any more);
+        tokens that do not start with `<` get a zero-width space after their first character.
+        Repeated until stable, since a replacement could in principle form another token.
+        """
+        for _ in range(8):
+            found = [s for s in self._protected if s in text]
+            if not found:
+                return text
+            for s in found:
+                text = text.replace(s, "&lt;" + s[1:] if s[0] == "<" else s[0] + "\u200b" + s[1:])
+        return text
+
+    def safe_ids(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Escaped, tokenized, optionally clipped untrusted text; checked free of special ids."""
+        return self._checked(self.escape(self.clip(text, max_tokens)))
+
+    def safe_text(self, text: str, max_tokens: int | None = None) -> str:
+        """The same, as text, for untrusted pieces of a prompt rendered by the template."""
+        escaped = self.escape(self.clip(text, max_tokens))
+        self._checked(escaped)
+        return escaped
+
+    def _checked(self, escaped: str) -> list[int]:
+        ids = self.encode(escaped)
+        bad = sorted(set(ids) & self.protected_ids)
+        if bad:
+            raise UnsafeTextError(f"escaped text still holds special token ids {bad} "
+                                  f"({self.tokenizer.convert_ids_to_tokens(bad)})")
+        return ids
+
+    def clip(self, text: str, max_tokens: int | None) -> str:
+        """Cut text to about `max_tokens` tokens (marked), so one page cannot fill the context."""
+        if max_tokens is None:
+            return text
+        ids = self.encode(text)
+        if len(ids) <= max_tokens:
+            return text
+        return self.decode(ids[:max_tokens]) + TRUNCATED
+
+    # -- prompts ---------------------------------------------------------------------------------
+
+    def prompt_ids(self, system: str, user: str, tools: list[dict[str, Any]] | None = None
+                   ) -> list[int]:
+        """The first context: system (+ tools), user, generation prompt.
+
+        Untrusted pieces of `user` must come through `safe_text`; our own markup around them
+        (e.g. the `<tool_response>` tags of IterSynth's evidence) stays tokens.
+        """
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None,
+                                                  add_generation_prompt=True, tokenize=False,
+                                                  **self.template_kwargs)
+        return self.encode(text)
+
+    def tool_response(self, content: str, max_tokens: int | None = None) -> list[int]:
+        """One `<tool_response>` block (Qwen3 template: newline, tags on their own lines)."""
+        return (self.encode("\n<tool_response>\n") + self.safe_ids(content, max_tokens)
+                + self.encode("\n</tool_response>"))
+
+    def observation_ids(self, output_ids: Sequence[int], contents: Sequence[str],
+                        max_tokens: int | None = None) -> list[int]:
+        """What follows an assistant output: the tool responses as one user turn, then the next
+        generation prompt. An output that did not end its turn with `<|im_end|>` (cut, or stopped
+        on another token) is closed first, exactly as the chat template would have closed it."""
+        closed = bool(output_ids) and output_ids[-1] == self.im_end_id
+        ids = self.encode(("\n" if closed else IM_END + "\n") + IM_START + "user")
+        for content in contents:
+            ids += self.tool_response(content, max_tokens)
+        return ids + self.encode(IM_END + "\n" + self.generation_prompt)

@@ -1,0 +1,87 @@
+"""IterSynth: one shared policy in two roles, with a summary as the only state between steps.
+
+Step t:
+  Planner     sees (question, summary M_t) and the tools; it either calls search/visit tools
+              or answers (`<answer>`).
+  tools       run (concurrently); their observations are this step's evidence.
+  Synthesizer sees (question, M_t, evidence), no tools; its output is M_{t+1}. Trying to call
+              a tool or to answer is a `tool_parse_error` (M_t is then kept).
+Every engine call starts from a fresh prompt, so each turn is its own training sequence; the
+role (`planner` / `synthesizer`) is recorded on every turn. Contexts stay bounded by the
+summary's length, so no context management is needed. `max_turns` counts planner steps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_rl.agents.base import AgentConfig, BaseAgent
+from megatron_rl.agents.tool_parser import visible_text
+from megatron_rl.env.base import Tool
+from megatron_rl.rollout.engines.base import RolloutEngine
+from megatron_rl.rollout.trajectory import ToolCall, Trajectory
+
+PLANNER_PROMPT = (
+    "You are the Planner of a deep-search team. You see the question and the notes gathered so "
+    "far, never the raw pages. Decide the next step: call search or visit tools to gather the "
+    "missing evidence (several calls run in parallel), or, when the notes settle the question, "
+    "give the final answer, short and exact, inside <answer></answer>.")
+SYNTHESIZER_PROMPT = (
+    "You are the Synthesizer of a deep-search team. You see the question, the current notes and "
+    "new evidence from tool calls. Rewrite the notes: keep every fact that helps answer the "
+    "question (with its source URL), add what the new evidence establishes, drop the rest. "
+    "Write only the new notes. Do not call tools and do not answer the question.")
+NO_NOTES = "(no notes yet)"
+
+
+class IterSynthAgent(BaseAgent):
+    def __init__(self, tokenizer: Any, tools: Sequence[Tool], config: AgentConfig | None = None,
+                 *, planner_prompt: str = PLANNER_PROMPT,
+                 synthesizer_prompt: str = SYNTHESIZER_PROMPT):
+        super().__init__(tokenizer, tools, config)
+        self.planner_prompt = planner_prompt
+        self.synthesizer_prompt = synthesizer_prompt
+
+    def planner_context(self, question: str, summary: str) -> list[int]:
+        safe = self.chat.safe_text
+        user = f"Question: {safe(question)}\n\nNotes so far:\n{safe(summary) or NO_NOTES}"
+        return self.chat.prompt_ids(self.planner_prompt, user, self.specs)
+
+    def synthesizer_context(self, question: str, summary: str, calls: list[ToolCall]) -> list[int]:
+        safe, limit = self.chat.safe_text, self.config.max_observation_tokens
+        evidence = "\n".join(
+            f"[{i}] {safe(c.name)} {safe(json.dumps(c.arguments, ensure_ascii=False))}\n"
+            f"<tool_response>\n{safe(c.observation, limit)}\n</tool_response>"
+            for i, c in enumerate(calls, 1))
+        user = (f"Question: {safe(question)}\n\nCurrent notes:\n{safe(summary) or NO_NOTES}"
+                f"\n\nNew evidence:\n{evidence}")
+        return self.chat.prompt_ids(self.synthesizer_prompt, user)
+
+    async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
+                  group_id: str, uid: str) -> Trajectory:
+        cfg = self.config
+        traj = Trajectory(uid=uid, group_id=group_id, question=question, reference=reference)
+        summary = ""
+        summaries: list[str] = traj.metadata.setdefault("summaries", [])
+        for step in range(cfg.max_turns):
+            plan = await self.message(engine, traj, self.planner_context(question, summary),
+                                      "planner")
+            acted = await self.act(traj, plan, step)
+            if acted is None:
+                break
+            calls, within_budget = acted
+            synth = await self.message(
+                engine, traj, self.synthesizer_context(question, summary, calls),
+                "synthesizer")
+            if synth.ended:
+                break
+            if self.parse(synth.text).kind != "none":  # the Synthesizer may only write notes
+                traj.add_label("tool_parse_error", synth.turns[-1])
+            else:
+                summary = visible_text(synth.text).strip()
+            summaries.append(summary)
+            if not within_budget:
+                break
+        return traj

@@ -1,0 +1,58 @@
+"""ReAct: one growing conversation. think → tool call(s) → observation → … → `<answer>`.
+
+Every turn's context is the previous turn's context + output + observation, so the whole
+episode is one training sequence (`Trajectory.sequences()`), with only the policy's own tokens
+trained. Episode ends: an answer; a message with no action; limits (`max_turns`,
+`excess_tool_calls` past the episode budget, `overlong`), `degenerate` output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_rl.agents.base import AgentConfig, BaseAgent
+from megatron_rl.env.base import Tool
+from megatron_rl.rollout.engines.base import RolloutEngine
+from megatron_rl.rollout.trajectory import Trajectory
+
+REACT_SYSTEM_PROMPT = (
+    "You are a deep-search assistant. Answer the user's question by searching the web and "
+    "reading pages. Think step by step. Call tools whenever you need information; several "
+    "calls in one message run in parallel. When you are confident, give the final answer, "
+    "short and exact, inside <answer></answer>.")
+
+
+class ReActAgent(BaseAgent):
+    role = "agent"
+
+    def __init__(self, tokenizer: Any, tools: Sequence[Tool], config: AgentConfig | None = None,
+                 *, system_prompt: str = REACT_SYSTEM_PROMPT):
+        super().__init__(tokenizer, tools, config)
+        self.system_prompt = system_prompt
+
+    def first_context(self, question: str) -> list[int]:
+        return self.chat.prompt_ids(self.system_prompt, self.chat.safe_text(question), self.specs)
+
+    async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
+                  group_id: str, uid: str) -> Trajectory:
+        cfg = self.config
+        traj = Trajectory(uid=uid, group_id=group_id, question=question, reference=reference)
+        first = context = self.first_context(question)
+        for step in range(cfg.max_turns):
+            msg = await self.message(engine, traj, context, self.role)
+            acted = await self.act(traj, msg, step)
+            if acted is None:
+                break
+            calls, within_budget = acted
+            last = msg.turns[-1]
+            last.observation_ids = self.chat.observation_ids(
+                msg.output_ids, [c.observation for c in calls], cfg.max_observation_tokens)
+            if not within_budget:
+                break
+            context = last.context_ids + last.output_ids + last.observation_ids
+            if cfg.discard_all and self.overflows(context):
+                # eval-time context management: forget the history, keep the question
+                traj.metadata["discards"] = traj.metadata.get("discards", 0) + 1
+                context = first
+        return traj

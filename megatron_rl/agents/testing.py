@@ -1,0 +1,224 @@
+"""Offline stand-ins for tests and smoke runs: a scripted policy behind the `RolloutEngine`
+protocol, a tiny Qwen3-style tokenizer (byte-level BPE, Qwen3's special and added tokens, a
+trimmed Qwen3 chat template with tools) and in-memory search/visit tools.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
+
+from megatron_rl.env.base import ToolResult
+from megatron_rl.rollout.engines.base import (
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+                "</think>")
+
+# Qwen3's template (tokenizer_config.json of Qwen3-*), without the reasoning-history pruning
+QWEN3_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- \"# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
+    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+_CORPUS = [
+    "You are a deep-search assistant. Answer the question by searching the web and reading "
+    "pages. Think step by step. Call tools whenever you need information.",
+    "The Planner decides the next step; the Synthesizer rewrites the notes with the evidence.",
+    '{"name": "search", "arguments": {"query": "capital of France"}}',
+    '{"name": "visit", "arguments": {"url": "https://en.wikipedia.org/wiki/Paris"}}',
+    "Paris is the capital and largest city of France, on the river Seine. The Eiffel Tower was "
+    "completed in 1889 for the World's Fair. Question: Notes so far: New evidence: Error:",
+    "# Tools You may call one or more functions to assist with the user query. function name "
+    "arguments within XML tags <answer>Paris</answer> type object properties string required",
+]
+
+
+def tiny_qwen3_tokenizer(vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer (any text round-trips) with Qwen3's special tokens
+    (`<|im_start|>`…, special) and tool/think tokens (added, not special), trained here in
+    milliseconds; `vocab_size` total ids, so ids fit a tiny model's embedding."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    n_added = len(SPECIAL_TOKENS) + len(ADDED_TOKENS)
+    tok.train_from_iterator(_CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=vocab_size - n_added, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = QWEN3_TEMPLATE
+    return fast
+
+
+Policy = Sequence[str] | Callable[[str], str]
+
+
+class ScriptedEngine:
+    """A `RolloutEngine` whose policy is a script: reply i is the i-th string (or
+    `policy(decoded context)`), tokenized and ended with `<|im_end|>`. A reply longer than the
+    request's `max_new_tokens` is cut (`length`) and the next request continues it. Log-probs
+    are 0, every token carries the current weight version; requests are kept in `requests`.
+    """
+
+    def __init__(self, tokenizer: Any, policy: Policy, *, weight_version: int = 0):
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self._script = None if callable(policy) else iter(list(policy))
+        self._version = weight_version
+        self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.requests: list[GenerateRequest] = []
+        self._rest: list[int] = []  # the uncut remainder of the last reply
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def mid_reply(self) -> bool:
+        """The last reply was cut: the next request continues it."""
+        return bool(self._rest)
+
+    def _next_reply(self, context_ids: list[int]) -> list[int]:
+        if self._script is None:
+            text = self.policy(self.tokenizer.decode(context_ids))  # type: ignore[operator]
+        else:
+            text = next(self._script, None)
+            if text is None:
+                raise EngineError("scripted policy has no reply left", endpoint="/generate")
+        return [*self.tokenizer.encode(text, add_special_tokens=False), self.end_id]
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        self.requests.append(req)
+        ids = self._rest or self._next_reply(req.input_ids)
+        n = req.sampling.max_new_tokens
+        ids, self._rest = ids[:n], ids[n:]
+        return GenerateResult(rid=req.rid, output_ids=ids, output_logprobs=[0.0] * len(ids),
+                              finish_reason="length" if self._rest else "stop",
+                              weight_versions=[self._version] * len(ids),
+                              prompt_tokens=len(req.input_ids),
+                              text=self.tokenizer.decode(ids))
+
+    async def abort(self, rid: str) -> None:
+        return None
+
+    async def pause_generation(self, mode: PauseMode = "retract") -> None:
+        return None
+
+    async def continue_generation(self) -> None:
+        return None
+
+    async def update_weights_from_tensors(self, named_tensors: Iterable[Any],
+                                          weight_version: int) -> None:
+        self._version = weight_version
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        self._version = weight_version
+
+    async def release_memory(self) -> None:
+        return None
+
+    async def resume_memory(self) -> None:
+        return None
+
+    async def flush_cache(self) -> None:
+        return None
+
+    async def health(self) -> bool:
+        return True
+
+
+class _PagesTool:
+    """An in-memory tool over {url: (title, text)} pages."""
+
+    name = ""
+    description = ""
+    parameters: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, pages: dict[str, tuple[str, str]]):
+        self.pages = pages
+
+
+def _one_string(key: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {key: {"type": "string", "minLength": 1}},
+            "required": [key]}
+
+
+class DictSearch(_PagesTool):
+    """`search(query)`: titles, URLs and openings of the pages sharing a word with the query."""
+
+    name = "search"
+    description = "Search the web. Returns titles, URLs and snippets of matching pages."
+    parameters: ClassVar[dict[str, Any]] = _one_string("query")
+
+    async def __call__(self, /, **arguments: Any) -> ToolResult:
+        t0 = time.perf_counter()
+        words = set(str(arguments.get("query", "")).lower().split())
+        hits = [f"{title}\n{url}\n{text[:120]}" for url, (title, text) in self.pages.items()
+                if words & set(f"{title} {text}".lower().split())]
+        return ToolResult(ok=True, content="\n\n".join(hits) or "No results.",
+                          latency_s=time.perf_counter() - t0)
+
+
+class DictVisit(_PagesTool):
+    """`visit(url)`: the page's text, or a `visit_error` for an unknown URL."""
+
+    name = "visit"
+    description = "Open a web page and return its text."
+    parameters: ClassVar[dict[str, Any]] = _one_string("url")
+
+    async def __call__(self, /, **arguments: Any) -> ToolResult:
+        page = self.pages.get(str(arguments.get("url")))
+        if page is None:
+            return ToolResult.failure("visit_error", f"no page at {arguments.get('url')}",
+                                      tool="visit")
+        return ToolResult(ok=True, content=f"{page[0]}\n{page[1]}")
+
+
+def tool_call_text(name: str, **arguments: Any) -> str:
+    """A Qwen3-format tool call, as a policy would write it."""
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+PARIS = "https://en.wikipedia.org/wiki/Paris"
+DEMO_PAGES = {
+    PARIS: ("Paris", "Paris is the capital and largest city of France."),
+    "https://en.wikipedia.org/wiki/Eiffel_Tower": (
+        "Eiffel Tower", "The Eiffel Tower in Paris was completed in 1889."),
+}

@@ -1,0 +1,150 @@
+"""Actions from model text: `<tool_call>{json}</tool_call>` blocks or a final `<answer>…</answer>`.
+
+The parser never raises: whatever a policy writes, `parse_action` returns one of
+  - "answer": the text inside `<answer>` (it wins over tool calls in the same message),
+  - "tool_calls": at least one valid call (invalid ones ride along, labelled),
+  - "parse_error": call blocks, none valid (each labelled `tool_parse_error`),
+  - "none": neither (the message ended without acting).
+Broken JSON goes through `json_repair`; unknown tools and arguments that do not match the
+tool's JSON schema become a `ToolCall` with `error="tool_parse_error"` and an observation that
+tells the model what was wrong. Only text after the last `</think>` counts (an unclosed
+`<think>` means the model never got to act).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import json_repair
+
+from megatron_rl.env.base import validate_arguments
+from megatron_rl.rollout.trajectory import ToolCall
+
+ActionKind = Literal["answer", "tool_calls", "parse_error", "none"]
+PARSE_ERROR = "tool_parse_error"
+MAX_BLOCK_CHARS = 16_384     # a longer call is garbage; repairing it could be slow
+MAX_CALLS_PER_BLOCK = 32     # a JSON list inside one block; the agent's own limits apply after
+MAX_INT_DIGITS = 4300        # CPython's default int/str limit (sys.set_int_max_str_digits)
+
+_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
+_ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|\Z)", re.S)
+_END_TOKENS = re.compile(r"(?:<\|im_end\|>|<\|endoftext\|>)+\s*\Z")
+
+
+@dataclass
+class Action:
+    kind: ActionKind
+    calls: list[ToolCall] = field(default_factory=list)
+    answer: str | None = None
+
+    @property
+    def errors(self) -> list[ToolCall]:
+        return [c for c in self.calls if c.error is not None]
+
+
+def visible_text(text: str) -> str:
+    """The part of a message that acts: after the last `</think>`; nothing if `<think>` is open;
+    trailing end-of-turn tokens dropped."""
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    elif "<think>" in text:
+        return ""
+    return _END_TOKENS.sub("", text)
+
+
+def _int_or_text(digits: str) -> int | str:
+    # int() of a huge literal raises past the interpreter's limit (and is quadratic below it
+    # when the limit is off): keep such numbers as their text
+    limit = sys.get_int_max_str_digits() or MAX_INT_DIGITS
+    return int(digits) if len(digits) <= min(limit, MAX_INT_DIGITS) else digits
+
+
+def load_json(text: str) -> Any:
+    """Strict JSON, else json_repair's best reading, else None. Never raises."""
+    try:
+        return json.loads(text, parse_int=_int_or_text)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        out = json_repair.repair_json(text, return_objects=True)
+    except Exception:  # any repair failure just means "not JSON"
+        return None
+    return None if out == "" else out
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    try:
+        s = repr(value)
+    except ValueError:  # an int past the digit limit
+        s = f"<{type(value).__name__}>"
+    return s if len(s) <= limit else s[:limit] + "…"
+
+
+def _error(message: str, name: Any = "", arguments: Any = None) -> ToolCall:
+    return ToolCall(name=name if isinstance(name, str) else "",
+                    arguments=arguments if isinstance(arguments, dict) else {},
+                    error=PARSE_ERROR, observation=f"Error: {message}")
+
+
+def _call(item: Any, schemas: Mapping[str, dict[str, Any]]) -> ToolCall:
+    expected = 'expected {"name": <tool name>, "arguments": {...}}'
+    if not isinstance(item, dict):
+        return _error(f"a tool call must be a JSON object; {expected}")
+    if isinstance(item.get("function"), dict):  # OpenAI style {"function": {...}}
+        item = item["function"]
+    name = item.get("name")
+    args = item.get("arguments", item.get("parameters", {}))
+    if isinstance(args, str):  # OpenAI style: arguments as a JSON string
+        args = {} if not args.strip() else load_json(args)
+    if args is None:
+        args = {}
+    if not isinstance(name, str) or not name:
+        return _error(f"missing tool name; {expected}", arguments=args)
+    if name not in schemas:
+        return _error(f"unknown tool {_short(name)}; available: {sorted(schemas)}", name, args)
+    if not isinstance(args, dict):
+        return _error(f"arguments of {name} must be a JSON object, got {type(args).__name__}",
+                      name)
+    try:
+        problem = validate_arguments(schemas[name], args)
+    except Exception as e:  # a schema the validator does not know: reject
+        problem = f"arguments could not be checked ({type(e).__name__})"
+    if problem is not None:
+        return _error(f"{name}: {problem}", name, args)
+    return ToolCall(name=name, arguments=args)
+
+
+def _block(raw: str, schemas: Mapping[str, dict[str, Any]]) -> list[ToolCall]:
+    raw = raw.strip()
+    if not raw:
+        return [_error("empty <tool_call> block")]
+    if len(raw) > MAX_BLOCK_CHARS:
+        return [_error(f"tool call longer than {MAX_BLOCK_CHARS} characters")]
+    obj = load_json(raw)
+    if obj is None:
+        return [_error("tool call is not JSON")]
+    items = obj if isinstance(obj, list) else [obj]
+    if not items:
+        return [_error("empty list of tool calls")]
+    return [_call(item, schemas) for item in items[:MAX_CALLS_PER_BLOCK]]
+
+
+def parse_action(text: str, schemas: Mapping[str, dict[str, Any]]) -> Action:
+    """Parse one finished assistant message. `schemas`: tool name → its JSON schema."""
+    try:
+        visible = visible_text(text)
+        answer = _ANSWER.search(visible)
+        if answer is not None:
+            return Action("answer", answer=answer.group(1).strip())
+        calls = [c for m in _CALL.finditer(visible) for c in _block(m.group(1), schemas)]
+    except Exception as e:  # a parser bug must cost one action, not a batch
+        return Action("parse_error", [_error(f"unparseable output ({type(e).__name__})")])
+    if not calls:
+        return Action("none")
+    ok = any(c.error is None for c in calls)
+    return Action("tool_calls" if ok else "parse_error", calls)

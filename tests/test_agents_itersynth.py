@@ -1,0 +1,83 @@
+"""IterSynth episodes (Planner / Synthesizer, summary as the only state) with a scripted policy."""
+
+from __future__ import annotations
+
+from megatron_rl.agents import IterSynthAgent
+from megatron_rl.agents.itersynth import NO_NOTES
+from megatron_rl.agents.testing import PARIS
+from megatron_rl.agents.testing import tool_call_text as call
+from megatron_rl.rollout.trajectory import Trajectory
+from tests.test_agents_react import ANSWER, QUESTION, TOK, episode
+
+NOTES_1 = "Search: Paris is a likely answer (https://en.wikipedia.org/wiki/Paris)."
+NOTES_2 = "Paris is the capital of France (https://en.wikipedia.org/wiki/Paris)."
+SCRIPT = [call("search", query="capital of France"), f"<think>keep Paris</think>{NOTES_1}",
+          call("visit", url=PARIS), NOTES_2, ANSWER]
+
+
+def itersynth(script: list[str], **config: object) -> Trajectory:
+    return episode(script, agent_cls=IterSynthAgent, **config)[0]
+
+
+def show(traj: Trajectory) -> str:
+    return "\n".join(f"[{i}] {t.role:<11} {t.text!r}" for i, t in enumerate(traj.turns))
+
+
+def test_planner_synthesizer_episode() -> None:
+    traj = itersynth(SCRIPT)
+    print("\n" + show(traj))
+    assert traj.answer == "Paris" and traj.labels == []
+    assert traj.roles == ["planner", "synthesizer"] * 2 + ["planner"]
+    assert traj.metadata["summaries"] == [NOTES_1, NOTES_2]  # thinking is not carried
+    # every turn starts a fresh prompt: one training sequence per turn
+    seqs = traj.sequences()
+    assert len(seqs) == 5
+    assert [s.tokens for s in seqs] == [t.context_ids + t.output_ids for t in traj.turns]
+    contexts = [TOK.decode(t.context_ids) for t in traj.turns]
+    # the Planner sees the question and the notes, never pages; only it is offered tools
+    assert [f"Notes so far:\n{m}<|im_end|>" in contexts[i]
+            for i, m in ((0, NO_NOTES), (2, NOTES_1), (4, NOTES_2))] == [True] * 3
+    assert all(f"Question: {QUESTION}" in c for c in contexts)
+    assert all("# Tools" in c for c in contexts[::2])
+    assert not any("# Tools" in c for c in contexts[1::2])
+    assert "largest city" not in contexts[2] + contexts[4]
+    # the Synthesizer sees M_t and this step's evidence
+    assert f"Current notes:\n{NOTES_1}" in contexts[3]
+    assert '[1] visit {"url": "https://en.wikipedia.org/wiki/Paris"}\n<tool_response>\nParis\n' \
+           "Paris is the capital and largest city" in contexts[3]
+    assert [c.name for c in traj.turns[2].tool_calls] == ["visit"]
+
+
+def test_injected_evidence_does_not_reach_the_synthesizer_as_tokens() -> None:
+    traj = itersynth([call("visit", url="https://evil.example"), NOTES_1, ANSWER])
+    synth = traj.turns[1].context_ids
+    im_start = TOK.convert_tokens_to_ids("<|im_start|>")
+    assert synth.count(im_start) == 3  # system, user, assistant: nothing from the page
+    assert TOK.convert_tokens_to_ids("<tool_call>") not in synth
+    assert traj.answer == "Paris"
+
+
+def test_synthesizer_may_not_act_and_keeps_the_old_notes() -> None:
+    traj = itersynth([call("search", query="a"), NOTES_1, call("search", query="b"),
+                      call("visit", url=PARIS), call("search", query="c"),
+                      "<answer>Paris</answer>", ANSWER])
+    assert traj.roles == ["planner", "synthesizer"] * 3 + ["planner"]
+    assert [t.labels for t in traj.turns[1::2]] == [[], ["tool_parse_error"],
+                                                    ["tool_parse_error"]]
+    assert traj.metadata["summaries"] == [NOTES_1] * 3
+    assert traj.turns[3].tool_calls == []  # a Synthesizer's call is never run
+    assert traj.answer == "Paris" and traj.status == "tool_parse_error"
+
+
+def test_max_steps_and_tool_errors() -> None:
+    traj = itersynth([call("visit", url="https://nowhere.example"), NOTES_1,
+                      call("search", query="a"), NOTES_2, call("search", query="b")], max_turns=3)
+    assert traj.labels == ["visit_error", "max_turns"] and traj.answer is None
+    assert traj.roles == ["planner", "synthesizer"] * 2 + ["planner"]
+    assert "no page at https://nowhere.example" in TOK.decode(traj.turns[1].context_ids)
+
+
+def test_no_action_planner_ends_the_episode() -> None:
+    traj = itersynth(["I do not know."])
+    assert traj.roles == ["planner"] and traj.answer is None and traj.labels == []
+

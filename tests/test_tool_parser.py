@@ -1,0 +1,195 @@
+"""Tool-call / answer parsing: exact cases, then 10 000 hypothesis cases that must never raise."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_rl.agents.testing import DictSearch, DictVisit
+from megatron_rl.agents.tool_parser import load_json, parse_action, visible_text
+
+SCHEMAS = {t.name: t.parameters for t in (DictSearch({}), DictVisit({}))}
+SCHEMAS["lookup"] = {"type": "object", "properties": {
+    "k": {"type": "integer", "minimum": 0}, "mode": {"type": "string", "enum": ["a", "b"]},
+    "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["k"]}
+
+
+def call(name: str, **args: object) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+
+
+def test_one_and_several_calls_parse_in_order() -> None:
+    text = ("<think>look it up</think>\n" + call("search", query="eiffel tower")
+            + call("visit", url="https://x.org") + "<|im_end|>")
+    act = parse_action(text, SCHEMAS)
+    assert act.kind == "tool_calls" and not act.errors
+    assert [(c.name, c.arguments) for c in act.calls] == [
+        ("search", {"query": "eiffel tower"}), ("visit", {"url": "https://x.org"})]
+
+
+def test_answer_wins_and_thinking_does_not_act() -> None:
+    assert parse_action("<think>maybe <answer>x</answer></think><answer> Paris </answer>",
+                        SCHEMAS).answer == "Paris"
+    act = parse_action(call("search", query="a") + "<answer>1889</answer>", SCHEMAS)
+    assert (act.kind, act.answer, act.calls) == ("answer", "1889", [])
+    # a call written inside an unfinished thought is not an action
+    assert parse_action("<think>I will " + call("search", query="a"), SCHEMAS).kind == "none"
+    assert parse_action("just words, no tags", SCHEMAS).kind == "none"
+    assert visible_text("<think>a</think>b<|im_end|>") == "b"
+
+
+def test_broken_json_is_repaired() -> None:
+    for raw in ('{"name": "search", "arguments": {"query": "x"}',      # unclosed
+                "{'name': 'search', 'arguments': {'query': 'x'}}",      # single quotes
+                '{"name": "search", "arguments": {"query": "x",},}',    # trailing commas
+                '{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}'):  # OpenAI string
+        act = parse_action(f"<tool_call>{raw}</tool_call>", SCHEMAS)
+        assert act.kind == "tool_calls", raw
+        assert act.calls[0].arguments == {"query": "x"}, raw
+    # an unclosed block at the end of the message (the model stopped early) still counts
+    assert parse_action('<tool_call>{"name": "visit", "arguments": {"url": "u"}}',
+                        SCHEMAS).calls[0].name == "visit"
+    # a list of calls in one block
+    act = parse_action('<tool_call>[{"name": "visit", "arguments": {"url": "u"}}, '
+                       '{"function": {"name": "search", "arguments": {"query": "q"}}}]'
+                       '</tool_call>', SCHEMAS)
+    assert [c.name for c in act.calls] == ["visit", "search"]
+
+
+def test_bad_calls_are_labelled_never_raised() -> None:
+    cases = {
+        call("browse", url="u"): "unknown tool 'browse'",
+        call("search", q="x"): "unknown argument(s) ['q']",
+        call("lookup", mode="a"): "missing required argument(s) ['k']",
+        call("lookup", k="3"): "must be integer",
+        call("lookup", k=-1): "must be >= 0",
+        call("lookup", k=1, mode="c"): "must be one of",
+        call("lookup", k=1, tags=["a", 2]): "tags[1]",
+        call("search", query=""): "must not be empty",
+        '<tool_call>{"arguments": {}}</tool_call>': "missing tool name",
+        "<tool_call>[]</tool_call>": "empty list",
+        "<tool_call>   </tool_call>": "empty <tool_call>",
+        '<tool_call>{"name": "search", "arguments": [1]}</tool_call>': "must be a JSON object",
+        "<tool_call>" + "x" * 20_000 + "</tool_call>": "longer than",
+    }
+    for text, message in cases.items():
+        act = parse_action(text, SCHEMAS)
+        assert act.kind == "parse_error", text[:60]
+        (bad,) = act.calls
+        assert bad.error == "tool_parse_error" and message in bad.observation, bad.observation
+    # one bad call does not spoil a good one next to it
+    act = parse_action(call("nope") + call("search", query="ok"), SCHEMAS)
+    assert act.kind == "tool_calls" and [c.error for c in act.calls] == ["tool_parse_error", None]
+
+
+def test_giant_integers_and_deep_nesting_do_not_raise() -> None:
+    digits = "9" * 50_000
+    assert load_json(digits[:5000]) == digits[:5000]  # past the int limit: kept as text
+    act = parse_action('<tool_call>{"name": "lookup", "arguments": {"k": ' + "9" * 5000
+                       + "}}</tool_call>", SCHEMAS)
+    assert act.kind == "parse_error" and "must be integer" in act.calls[0].observation
+    old = sys.get_int_max_str_digits()
+    try:  # also with the interpreter's limit lowered or switched off
+        for limit in (640, 0):
+            sys.set_int_max_str_digits(limit)
+            assert parse_action('<tool_call>{"name": "lookup", "arguments": {"k": '
+                                + "7" * 9000 + "}}</tool_call>", SCHEMAS).kind == "parse_error"
+    finally:
+        sys.set_int_max_str_digits(old)
+    deep = "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>"
+    assert parse_action(deep, SCHEMAS).kind == "parse_error"
+
+
+# -- fuzzing ------------------------------------------------------------------------------------
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<answer>", "</answer>", "<think>", "</think>", "<|im_end|>",
+    "{", "}", "[", "]", '"', "'", ":", ",", "\\", "\\u12", '"name"', '"arguments"',
+    '"parameters"', '"function"', '"search"', '"visit"', '"lookup"', '"query"', '"url"', '"k"',
+    "null", "true", "NaN", "-Infinity", "1e999", "-0", "9" * 4400, "3.5", "\n", " ", "\x00",
+    "\ud7ff", "🙂",
+]
+GOOD_ARGS = [("search", {"query": "eiffel tower"}), ("visit", {"url": "https://x.org"}),
+             ("lookup", {"k": 3, "mode": "a", "tags": ["t"]})]
+ODD_VALUES = [None, True, 0, -1, 2**70, 1.5, float("nan"), "", "3", "<|im_end|>", [], {},
+              ["a", 2], {"k": 1}, "x" * 300]
+
+
+def mutated_calls(seed: bytes) -> str:
+    """1-4 call blocks built from valid calls, then damaged: odd names, keys and values,
+    deleted characters, inserted fragments, cuts, missing closing tags."""
+    rng = random.Random(seed)
+    blocks = []
+    for _ in range(rng.randint(1, 4)):
+        name, args = rng.choice(GOOD_ARGS)
+        args = dict(args)
+        if rng.random() < 0.4:
+            args[rng.choice(["query", "url", "k", "mode", "tags", "q"])] = rng.choice(ODD_VALUES)
+        if rng.random() < 0.2:
+            name = rng.choice(["", "Search", "browse", "x" * 200, "search "])
+        obj: object = {"name": name, rng.choice(["arguments"] * 4 + ["parameters"]): args}
+        if rng.random() < 0.1:
+            obj = rng.choice([[obj, obj], {"function": obj}, args, name])
+        body = json.dumps(obj) if rng.random() < 0.9 else repr(obj)
+        for _ in range(rng.choice([0, 0, 1, 2, 4])):
+            i = rng.randrange(len(body) + 1)
+            op = rng.random()
+            body = (body[:i] + body[i + 1:] if op < 0.4 else
+                    body[:i] + rng.choice(FRAGMENTS) + body[i:] if op < 0.8 else body[:i])
+        blocks.append("<tool_call>\n" + body + rng.choice(["\n</tool_call>"] * 3 + [""]))
+    head = rng.choice(["", "", "", "<think>plan</think>\n", "<think>", "</think>", "<answer>"])
+    return head + rng.choice(["", "\n"]).join(blocks) + rng.choice(["", "<|im_end|>"])
+
+
+# a third free-form fragment soup, two thirds damaged calls (hypothesis' one_of would favour
+# the first branch, hence the explicit choice)
+outputs = st.tuples(
+    st.binary(min_size=9, max_size=9),
+    st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=6), max_size=16).map("".join),
+).map(lambda t: t[1] if t[0][0] % 3 == 0 else
+       mutated_calls(t[0] + t[1].encode("utf-8", "surrogatepass")))
+
+
+def check_action(text: str) -> str:
+    act = parse_action(text, SCHEMAS)  # must not raise
+    assert act.kind in ("answer", "tool_calls", "parse_error", "none")
+    if act.kind == "answer":
+        assert isinstance(act.answer, str) and not act.calls
+    elif act.kind == "none":
+        assert not act.calls and act.answer is None
+    else:
+        assert act.calls and act.answer is None
+        assert any(c.error is None for c in act.calls) == (act.kind == "tool_calls")
+    for c in act.calls:
+        assert isinstance(c.arguments, dict) and isinstance(c.name, str)
+        if c.error is None:
+            assert c.name in SCHEMAS and json.dumps(c.arguments) is not None
+        else:
+            assert c.error == "tool_parse_error" and c.observation.startswith("Error: ")
+    return act.kind
+
+
+def test_fuzz_10k_outputs_never_raise_and_always_classify() -> None:
+    seen: Counter[str] = Counter()
+    distinct: set[int] = set()
+
+    @settings(max_examples=10_000, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(outputs)
+    def fuzz(text: str) -> None:
+        seen[check_action(text)] += 1
+        distinct.add(hash(text))
+
+    t0 = time.perf_counter()
+    fuzz()
+    total = sum(seen.values())
+    print(f"\nfuzzed {total} outputs ({len(distinct)} distinct) in "
+          f"{time.perf_counter() - t0:.1f} s: {dict(seen)}")
+    assert total >= 10_000
+    assert set(seen) == {"answer", "tool_calls", "parse_error", "none"}
