@@ -106,6 +106,26 @@ def _search_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from megatron_rl.evaluation import EvalConfig, run_eval
+    from megatron_rl.utils.logs import quiet_libraries
+
+    quiet_libraries()
+    cfg = EvalConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+    try:
+        s = asyncio.run(run_eval(cfg))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"megatron-rl: {e}", file=sys.stderr)
+        return 2
+    print(f"[eval] {s['agent']} on {s['model']}: pass@1 {s['pass@1']:.3f} over "
+          f"{s['questions']} questions (mean score {s['mean_score']:.3f}; engine failures "
+          f"{s['engine_failures']}, judge failures {s['judge_failures']}) in "
+          f"{s['seconds']:.0f}s; trajectories and summary in {cfg.out}/")
+    return 0
+
+
 def _launch(fn, nproc: int, *args, backend: str = "auto") -> list:
     """Run `fn(*args)` SPMD: in this process under torchrun (one rank), else on `nproc` local
     gloo ranks. Returns the per-rank results (just this rank's under torchrun)."""
@@ -178,6 +198,30 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8090, help="0: any free port (printed)")
     sv.add_argument("--threads", type=int, default=0, help="search threads (0: CPU count)")
     sv.set_defaults(func=_search_serve)
+
+    ev = sub.add_parser("eval", help="training-free: an agent scaffold over any "
+                                     "OpenAI-compatible model, judged (pass@1)")
+    ev.add_argument("--agent", default="itersynth", choices=("itersynth", "react"))
+    ev.add_argument("--model-url", dest="model_url", required=True,
+                    help="OpenAI-compatible base URL ending in /v1")
+    ev.add_argument("--model", default="default")
+    ev.add_argument("--api-key-env", dest="api_key_env", default=None,
+                    help="name of the environment variable holding the API key")
+    ev.add_argument("--questions", required=True, help=".jsonl/.parquet: question, answer")
+    ev.add_argument("--index", default=None, help="local search index folder")
+    ev.add_argument("--search-url", dest="search_url", default=None)
+    ev.add_argument("--judge-url", dest="judge_url", default=None,
+                    help="OpenAI-compatible GenRM judge (default: rule judge, exact match)")
+    ev.add_argument("--judge-model", dest="judge_model", default="default")
+    ev.add_argument("--tokenizer", default=None, help="HF tokenizer folder for token counts")
+    ev.add_argument("--out", default="runs/eval")
+    ev.add_argument("--limit", type=int, default=None)
+    ev.add_argument("--concurrency", type=int, default=8)
+    ev.add_argument("--max-turns", dest="max_turns", type=int, default=8)
+    ev.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=2048)
+    ev.add_argument("--retries", type=int, default=1)
+    ev.add_argument("--temperature", type=float, default=0.0)
+    ev.set_defaults(func=_eval)
 
     q = sub.add_parser("quickstart", help="the embedded default on this machine's CPUs")
     q.add_argument("overrides", nargs="*")

@@ -1,0 +1,159 @@
+"""Training-free evaluation: an agent scaffold (IterSynth or ReAct) over any OpenAI-compatible
+model on a question set, judged, reported as pass@1 (the IterSynth paper's Claude/DeepSeek
+setting). `megatron-rl eval --agent itersynth --model-url URL --questions q.jsonl --index DIR`.
+
+Questions come from JSONL or parquet rows with `question` and `answer` (or `reference`)
+columns. Tools: the local index (`--index`, search + visit of its pages) or a search service
+(`--search-url`). Judge: the rule judge (normalized exact match) unless `--judge-url` names an
+OpenAI-compatible GenRM. Writes `trajectories.jsonl` (every turn) and `summary.json`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class EvalConfig:
+    questions: str
+    model_url: str                       # an OpenAI-compatible base URL, ending in /v1
+    model: str = "default"
+    api_key_env: str | None = None       # the *name* of the variable holding the key
+    agent: str = "itersynth"             # itersynth | react
+    index: str | None = None             # local search index folder
+    search_url: str | None = None        # or a `megatron-rl search serve` URL
+    judge_url: str | None = None         # GenRM endpoint; the rule judge when unset
+    judge_model: str = "default"
+    tokenizer: str | None = None         # token bookkeeping (any ChatML tokenizer)
+    out: str = "runs/eval"
+    limit: int | None = None
+    concurrency: int = 8
+    max_turns: int = 8
+    max_new_tokens: int = 2048
+    retries: int = 1                     # context management: restart an unanswered episode
+    temperature: float = 0.0
+
+
+def read_questions(path: str, limit: int | None = None) -> list[dict[str, str]]:
+    """Rows with a question and its reference answer, named by the column that is missing."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"questions file not found: {p}")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(p).to_pylist()
+    else:
+        rows = []
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p}:{n}: not JSON ({e.msg})") from None
+    out = []
+    for n, row in enumerate(rows[:limit] if limit else rows, 1):
+        question, answer = row.get("question"), row.get("answer", row.get("reference"))
+        if not isinstance(question, str) or not isinstance(answer, str):
+            missing = "question" if not isinstance(question, str) else "answer"
+            raise ValueError(f"{p} row {n}: column '{missing}' is missing or not text")
+        out.append({"question": question, "answer": answer})
+    if not out:
+        raise ValueError(f"{p}: no questions")
+    return out
+
+
+def _tools(cfg: EvalConfig) -> list:
+    from megatron_rl.env.search import HttpSearch, LocalSearch
+    from megatron_rl.env.visit import HttpPages, LocalPages, Visit
+
+    if cfg.index:
+        return [LocalSearch(cfg.index), Visit(LocalPages(cfg.index))]
+    if cfg.search_url:
+        return [HttpSearch(cfg.search_url), Visit(HttpPages(cfg.search_url))]
+    raise ValueError("tools: give --index (a local search index) or --search-url")
+
+
+def _tokenizer(cfg: EvalConfig) -> Any:
+    if cfg.tokenizer:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.tokenizer)
+    from megatron_rl.agents.testing import tiny_qwen3_tokenizer
+
+    return tiny_qwen3_tokenizer(vocab_size=2048)  # byte-level: any text round-trips
+
+
+async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from megatron_rl.agents.base import AgentConfig
+    from megatron_rl.agents.context import for_eval
+    from megatron_rl.agents.itersynth import IterSynthAgent
+    from megatron_rl.agents.react import ReActAgent
+    from megatron_rl.rewards.client import ChatClient, ClientConfig
+    from megatron_rl.rewards.composite import build_judge, judge_trajectory
+    from megatron_rl.rewards.taxonomy import taxonomy_metrics
+    from megatron_rl.rollout.engines.base import SamplingParams
+    from megatron_rl.rollout.engines.openai_chat import OpenAIChatEngine
+
+    agents = {"itersynth": IterSynthAgent, "react": ReActAgent}
+    if cfg.agent not in agents:
+        raise ValueError(f"agent={cfg.agent!r}: choose one of {', '.join(agents)}")
+    rows = read_questions(cfg.questions, cfg.limit)
+    tokenizer = _tokenizer(cfg)
+    agent_cfg = AgentConfig(max_turns=cfg.max_turns, sampling=SamplingParams(
+        temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
+        max_context_tokens=max(32_768, 4 * cfg.max_new_tokens))
+    agent = for_eval(agents[cfg.agent](tokenizer, _tools(cfg), agent_cfg), discard_all=True,
+                     retries=cfg.retries)
+    engine = OpenAIChatEngine(ChatClient(ClientConfig(
+        base_url=cfg.model_url, model=cfg.model, api_key_env=cfg.api_key_env,
+        max_concurrency=cfg.concurrency, max_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature)), tokenizer)
+    judge = build_judge({"kind": "genrm", "base_url": cfg.judge_url, "model": cfg.judge_model}
+                        if cfg.judge_url else None)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slots = asyncio.Semaphore(cfg.concurrency)
+    bar = tqdm(total=len(rows), desc=f"eval {cfg.agent}", unit="q", disable=not progress,
+               file=sys.stderr)
+    t0 = time.time()
+
+    async def one(i: int, row: dict[str, str]):
+        async with slots:
+            uid = f"q{i}-{uuid.uuid4().hex[:6]}"
+            try:
+                traj = await agent.run(row["question"], row["answer"], engine, group_id=f"q{i}",
+                                       uid=uid)
+            except Exception as e:  # the model endpoint failed for good: count, don't stop
+                return None, f"{type(e).__name__}: {e}"
+            await judge_trajectory(traj, judge)
+            bar.update(1)
+            return traj, None
+
+    results = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+    bar.close()
+    await engine.close()
+    trajectories = [t for t, _ in results if t is not None]
+    failures = [why for _, why in results if why is not None]
+    with (out / "trajectories.jsonl").open("w") as f:
+        for t in trajectories:
+            f.write(json.dumps(t.to_dict()) + "\n")
+    judged = [t for t in trajectories if "outcome" in t.rewards]
+    summary = {
+        "agent": cfg.agent, "model": cfg.model, "questions": len(rows),
+        "pass@1": sum(t.metadata["judge"]["correct"] is True for t in judged) / len(rows),
+        "mean_score": sum(t.rewards["outcome"] for t in judged) / max(len(judged), 1),
+        "engine_failures": len(failures), "judge_failures": len(trajectories) - len(judged),
+        "seconds": time.time() - t0, **taxonomy_metrics(trajectories),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+    return summary

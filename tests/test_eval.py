@@ -1,0 +1,113 @@
+"""`megatron-rl eval`: the IterSynth scaffold over an OpenAI-compatible chat endpoint, against a
+real local index, judged. The endpoint is a local HTTP server with a scripted model (a hosted
+model cannot be reached from here); everything between them is the real pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from aiohttp import web
+
+from megatron_rl.data.world import build_world_index, generate_world
+from megatron_rl.evaluation import EvalConfig, read_questions, run_eval
+from megatron_rl.rollout.engines.openai_chat import chatml_messages
+
+
+class ScriptedChatModel:
+    """Planner: no notes → search the question; notes → answer (wrong on purpose for the
+    questions in `wrong`). Synthesizer: notes = the first result's title + the evidence size.
+    Counts the calls it gets per role."""
+
+    def __init__(self, answers: dict[str, str], wrong: set[str]):
+        self.answers, self.wrong = answers, wrong
+        self.calls = {"planner": 0, "synthesizer": 0}
+
+    def reply(self, messages: list[dict[str, str]]) -> str:
+        system, user = messages[0]["content"], messages[-1]["content"]
+        question = re.search(r"Question: (.*)", user).group(1)
+        if "Synthesizer" in system:
+            self.calls["synthesizer"] += 1
+            first = re.search(r"\d+\. \[(.*?)\]", user)
+            return f"Found page: {first.group(1) if first else 'nothing'}."
+        self.calls["planner"] += 1
+        if "(no notes yet)" in user:
+            call = {"name": "search", "arguments": {"query": question}}
+            return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+        answer = "nobody knows" if question in self.wrong else self.answers[question]
+        return f"<answer>{answer}</answer>"
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        text = self.reply(body["messages"])
+        return web.json_response({"choices": [{"message": {"role": "assistant",
+                                                           "content": text}}]})
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    w = generate_world(num_docs=300, seed=3)
+    index = build_world_index(w, root / "index")
+    questions = w.questions(4, seed=1)
+    path = root / "questions.jsonl"
+    path.write_text("".join(json.dumps({"question": q.question, "answer": q.answer}) + "\n"
+                            for q in questions))
+    return index, questions, path
+
+
+def test_chatml_round_trip_drops_the_open_assistant_turn():
+    text = ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU?<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert chatml_messages(text) == [{"role": "system", "content": "S"},
+                                     {"role": "user", "content": "U?"}]
+
+
+def test_itersynth_eval_over_a_chat_endpoint(world, tmp_path):
+    index, questions, path = world
+    model = ScriptedChatModel({q.question: q.answer for q in questions},
+                              wrong={questions[0].question})
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", model.handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await run_eval(EvalConfig(
+                questions=str(path), model_url=f"http://127.0.0.1:{port}/v1",
+                index=str(index), out=str(tmp_path / "out"), concurrency=2), progress=False)
+        finally:
+            await runner.cleanup()
+
+    summary = asyncio.run(scenario())
+    assert summary["questions"] == 4
+    assert summary["pass@1"] == pytest.approx(3 / 4)  # one answered wrong on purpose
+    assert summary["engine_failures"] == 0 and summary["judge_failures"] == 0
+    # per question: planner (search) → synthesizer → planner (answer)
+    assert model.calls == {"planner": 8, "synthesizer": 4}
+    lines = (tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()
+    traj = json.loads(lines[0])
+    assert [t["role"] for t in traj["turns"]] == ["planner", "synthesizer", "planner"]
+    call = traj["turns"][0]["tool_calls"][0]
+    assert call["name"] == "search" and call["error"] is None
+    assert "found" in call["observation"]  # the real index answered
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["pass@1"] == 0.75
+
+
+def test_bad_question_files_name_the_problem(tmp_path):
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question": "x"}\n')
+    with pytest.raises(ValueError, match="row 1: column 'answer' is missing"):
+        read_questions(str(bad))
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "eval", "--model-url",
+                           "http://127.0.0.1:9/v1", "--questions", str(tmp_path / "none.jsonl"),
+                           "--index", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "questions file not found" in proc.stderr
