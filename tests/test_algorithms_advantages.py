@@ -50,6 +50,7 @@ def test_singleton_and_constant_groups_give_zero():
     assert group_normalize([3.0], ["a"]) == [0.0]                 # s = 0, r - m = 0
     assert group_normalize([3.0], ["a"], estimator="rloo") == [0.0]
     assert group_normalize([1.0, 1.0], ["a", "a"]) == [0.0, 0.0]  # 0 / (0 + eps)
+    assert group_normalize([1.0, 1.0], ["a", "a"], eps=0.0) == [0.0, 0.0]  # no 0 / 0
 
 
 def test_bad_input():

@@ -64,7 +64,8 @@ def group_normalize(values: Sequence[float], keys: Sequence[Hashable],
         if estimator == "rloo":
             scale = n / (n - 1) if n > 1 else 0.0
         elif estimator == "grpo":
-            scale = 1.0 / (_std(xs, mean, unbiased_std) + eps)
+            denom = _std(xs, mean, unbiased_std) + eps
+            scale = 1.0 / denom if denom > 0 else 0.0  # eps = 0, constant group: r - m = 0
         else:
             scale = 1.0
         for i, x in zip(idx, xs, strict=True):

@@ -1,0 +1,97 @@
+"""RDPO per-turn advantages (role pools, mixed ablation), the simpler reward managers and the
+mapping onto training tokens, on hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.algorithms.rdpo import (
+    end_to_end_advantages,
+    multi_candidate_advantages,
+    pipeline_outcome_advantages,
+    rdpo_advantages,
+    token_advantages,
+)
+from megatron_rl.rewards.composite import RewardWeights
+from megatron_rl.rollout.trajectory import Trajectory, Turn
+
+
+def _turn(role: str, rubric: float | None = None, ctx: list[int] | None = None,
+          out: list[int] | None = None, obs: list[int] | None = None) -> Turn:
+    out = out or [7]
+    return Turn(role, ctx or [1], out, [-0.1] * len(out), [0] * len(out),
+                observation_ids=obs or [], rewards={} if rubric is None else {"rubric": rubric})
+
+
+def _ps(uid: str, group: str, outcome: float, planner: float | None,
+        synth: float | None, *labels: str) -> Trajectory:
+    t = Trajectory(uid, group, "q", turns=[_turn("planner", planner), _turn("synthesizer", synth)],
+                   rewards={"outcome": outcome})
+    for label in labels:
+        t.add_label(label)
+    return t
+
+
+# w_outcome 1, w_rubric 0.5:
+#   t1 (outcome 1): planner 1 + 0.5 * 0.8 = 1.4, synthesizer 1 + 0.5 * 0.6 = 1.3
+#   t2 (outcome 0): planner 0 + 0.5 * 0.4 = 0.2, synthesizer has no rubric -> 0.0
+#   t3: search_error (excluded);  t4: alone in group h
+TRAJS = [_ps("t1", "g", 1.0, 0.8, 0.6), _ps("t2", "g", 0.0, 0.4, None),
+         _ps("t3", "g", 1.0, 1.0, 1.0, "search_error"), _ps("t4", "h", 1.0, 0.5, 0.5)]
+W = RewardWeights(outcome=1.0, rubric=0.5)
+
+
+def _approx(rows):
+    return [None if r is None else pytest.approx(r) for r in rows]
+
+
+def test_rdpo_normalises_within_role_pools():
+    # Dr.GRPO numbers: planner pool [1.4, 0.2], mean 0.8 -> [0.6, -0.6]
+    #                  synthesizer pool [1.3, 0.0], mean 0.65 -> [0.65, -0.65]
+    adv = rdpo_advantages(TRAJS, W, estimator="dr_grpo")
+    assert adv[0] == pytest.approx([0.6, 0.65]) and adv[1] == pytest.approx([-0.6, -0.65])
+    assert adv[2] == [None, None]                # env failure: no advantage, out of the loss
+    assert adv[3] == [0.0, 0.0]                  # singleton pools
+    # GRPO: any two-member pool is +-d / (sqrt(2) d) = +-0.707107 (unbiased std, eps 0)
+    adv = rdpo_advantages(TRAJS, W, eps=0.0)
+    assert adv[0] == pytest.approx([0.707107, 0.707107], abs=1e-6)
+
+
+def test_mixed_roles_pools_all_turns():
+    # all four turns [1.4, 1.3, 0.2, 0.0]: mean 2.9 / 4 = 0.725
+    adv = rdpo_advantages(TRAJS, W, mixed_roles=True, estimator="dr_grpo")
+    assert adv[0] + adv[1] == pytest.approx([0.675, 0.575, -0.525, -0.725])
+
+
+def test_max_turns_switch_keeps_stats_masks_loss():
+    trajs = [_ps("a", "g", 1.0, None, None), _ps("b", "g", 0.0, None, None, "max_turns")]
+    # outcome only (no rubrics): both pools [1, 0] -> +-0.5; b masked out with the switch
+    adv = rdpo_advantages(trajs, estimator="dr_grpo", exclude_max_turns_from_loss=True)
+    assert adv == [[0.5, 0.5], [None, None]]
+
+
+def test_simpler_managers():
+    # pipeline outcome-only ignores the rubrics: pools [1, 0] in group g -> +-0.5
+    adv = pipeline_outcome_advantages(TRAJS, estimator="dr_grpo")
+    assert adv[:3] == [[0.5, 0.5], [-0.5, -0.5], [None, None]]
+    # end-to-end: one advantage per trajectory over outcomes [1, 0] of group g (t3 excluded)
+    adv = end_to_end_advantages(TRAJS, estimator="dr_grpo")
+    assert adv == [[0.5, 0.5], [-0.5, -0.5], [None, None], [0.0, 0.0]]
+    # multi-candidate: prompt 0 scores [1, 0, 0, 1] (biased std 0.5 -> +-1), prompt 1 [3] -> 0
+    adv = multi_candidate_advantages([[1.0, 0.0, 0.0, 1.0], [3.0]], unbiased_std=False, eps=0)
+    assert adv == [[1.0, -1.0, -1.0, 1.0], [0.0]]
+
+
+def test_token_mapping_itersynth_and_react():
+    # IterSynth: each turn starts a new sequence
+    #   seq 0: [1, 2 | 3, 4]  turn_index [-1, -1, 0, 0];  seq 1: [5 | 6]  turn_index [-1, 1]
+    t = Trajectory("x", "g", "q", turns=[_turn("planner", ctx=[1, 2], out=[3, 4]),
+                                         _turn("synthesizer", ctx=[5], out=[6])])
+    seqs = token_advantages(t.sequences(), [0.6, -0.65])
+    assert [s.advantages for s in seqs] == [[0, 0, 0.6, 0.6], [0, -0.65]]
+    assert [s.loss_mask for s in seqs] == [[0, 0, 1, 1], [0, 1]]
+    # ReAct: one growing sequence [1 | 2 | obs 3 | 4], turn_index [-1, 0, -1, 1]
+    r = Trajectory("y", "g", "q", turns=[_turn("agent", ctx=[1], out=[2], obs=[3]),
+                                         _turn("agent", ctx=[1, 2, 3], out=[4])])
+    (seq,) = token_advantages(r.sequences(), [0.3, None])  # turn 1 not trained
+    assert seq.advantages == [0, 0.3, 0, 0] and seq.loss_mask == [0, 1, 0, 0]
