@@ -86,7 +86,7 @@ def _tokenizer(cfg: EvalConfig) -> Any:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(cfg.tokenizer)
-    from megatron_rl.agents.testing import tiny_qwen3_tokenizer
+    from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 
     return tiny_qwen3_tokenizer(vocab_size=2048)  # byte-level: any text round-trips
 

@@ -15,9 +15,9 @@ from megatron_rl.agents.testing import (
     DictSearch,
     DictVisit,
     ScriptedEngine,
-    tiny_qwen3_tokenizer,
 )
 from megatron_rl.agents.testing import tool_call_text as call
+from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 from megatron_rl.env.base import ToolResult
 from megatron_rl.rollout.engines.base import EngineError, SamplingParams
 from megatron_rl.rollout.trajectory import Trajectory

@@ -1,6 +1,5 @@
 """Offline stand-ins for tests and smoke runs: a scripted policy behind the `RolloutEngine`
-protocol, a tiny Qwen3-style tokenizer (byte-level BPE, Qwen3's special and added tokens, a
-trimmed Qwen3 chat template with tools) and in-memory search/visit tools.
+protocol and in-memory search/visit tools (the tiny tokenizer lives in `agents.tokenizer`).
 """
 
 from __future__ import annotations
@@ -17,75 +16,6 @@ from megatron_rl.rollout.engines.base import (
     GenerateResult,
     PauseMode,
 )
-
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
-                "</think>")
-
-# Qwen3's template (tokenizer_config.json of Qwen3-*), without the reasoning-history pruning
-QWEN3_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- \"# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
-    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
-    "{%- elif messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
-)
-
-_CORPUS = [
-    "You are a deep-search assistant. Answer the question by searching the web and reading "
-    "pages. Think step by step. Call tools whenever you need information.",
-    "The Planner decides the next step; the Synthesizer rewrites the notes with the evidence.",
-    '{"name": "search", "arguments": {"query": "capital of France"}}',
-    '{"name": "visit", "arguments": {"url": "https://en.wikipedia.org/wiki/Paris"}}',
-    "Paris is the capital and largest city of France, on the river Seine. The Eiffel Tower was "
-    "completed in 1889 for the World's Fair. Question: Notes so far: New evidence: Error:",
-    "# Tools You may call one or more functions to assist with the user query. function name "
-    "arguments within XML tags <answer>Paris</answer> type object properties string required",
-]
-
-
-def tiny_qwen3_tokenizer(vocab_size: int = 512) -> Any:
-    """A byte-level BPE tokenizer (any text round-trips) with Qwen3's special tokens
-    (`<|im_start|>`…, special) and tool/think tokens (added, not special), trained here in
-    milliseconds; `vocab_size` total ids, so ids fit a tiny model's embedding."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    n_added = len(SPECIAL_TOKENS) + len(ADDED_TOKENS)
-    tok.train_from_iterator(_CORPUS * 4, trainers.BpeTrainer(
-        vocab_size=vocab_size - n_added, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>")
-    fast.chat_template = QWEN3_TEMPLATE
-    return fast
-
 
 Policy = Sequence[str] | Callable[[str], str]
 
