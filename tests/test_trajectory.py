@@ -56,3 +56,13 @@ def test_round_trips_through_dict():
 def test_misaligned_turn_is_refused():
     with pytest.raises(ValueError, match="2 output ids but 1 log-probs"):
         Turn("agent", [1], [2, 3], [-0.1], [0, 0])
+
+
+def test_a_masked_turn_keeps_its_tokens_but_trains_none():
+    t1 = _turn("agent", [1], [2, 3], obs=[9])
+    t1.loss_mask = [0, 0]  # e.g. a turn an SFT judge marked MASK
+    t2 = _turn("agent", [1, 2, 3, 9], [4])
+    (seq,) = Trajectory("u", "g", "q", turns=[t1, t2]).sequences()
+    assert seq.tokens == [1, 2, 3, 9, 4] and seq.loss_mask == [0, 0, 0, 0, 1]
+    with pytest.raises(ValueError, match="a loss mask of 1"):
+        Turn("agent", [1], [2, 3], [0.0, 0.0], [0, 0], loss_mask=[1])

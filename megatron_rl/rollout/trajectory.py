@@ -46,6 +46,8 @@ class Turn:
     text: str = ""                       # decoded output, for judges, rubrics and logs
     rewards: dict[str, float] = field(default_factory=dict)  # per-turn (e.g. rubric score)
     labels: list[str] = field(default_factory=list)
+    # which output tokens are trained (None: all); e.g. an SFT judge masking a whole turn
+    loss_mask: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -53,6 +55,9 @@ class Turn:
             raise ValueError(f"turn ({self.role}): {n} output ids but "
                              f"{len(self.output_logprobs)} log-probs and "
                              f"{len(self.weight_versions)} weight versions")
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(f"turn ({self.role}): {n} output ids but a loss mask of "
+                             f"{len(self.loss_mask)}")
 
 
 @dataclass
@@ -60,7 +65,7 @@ class TrainingSequence:
     """One sequence for the trainer; per-token arrays are aligned with `tokens`."""
 
     tokens: list[int]
-    loss_mask: list[int]          # 1 on generated tokens
+    loss_mask: list[int]          # 1 on trained generated tokens
     logprobs: list[float]         # the engine's log-probs (0 where masked)
     weight_versions: list[int]    # -1 where masked
     turn_index: list[int]         # which turn generated the token (-1 for context/observations)
@@ -119,7 +124,8 @@ class Trajectory:
                 out.append(current)
             n, m = len(turn.output_ids), len(turn.observation_ids)
             current.tokens += turn.output_ids + turn.observation_ids
-            current.loss_mask += [1] * n + [0] * m
+            trained = turn.loss_mask if turn.loss_mask is not None else [1] * n
+            current.loss_mask += list(trained) + [0] * m
             current.logprobs += list(turn.output_logprobs) + [0.0] * m
             current.weight_versions += list(turn.weight_versions) + [-1] * m
             current.turn_index += [i] * n + [-1] * m
