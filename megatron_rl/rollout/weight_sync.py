@@ -98,6 +98,10 @@ class WeightGatherer:
         self.groups = list(groups.values())
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if torch.cuda.is_available() else torch.device("cpu"))
+        # the parameters' own dtype: summing one owner's value with zeros is exact in any
+        # dtype, and a bf16 policy then syncs bf16 bytes
+        self.buffer_dtype = next((data.dtype for chunks in self.local.values()
+                                  for data, _, _ in chunks), torch.float32)
         self.stats = SyncStats()
 
     def _shape(self, key: str, shape: torch.Size) -> tuple[int, ...]:
@@ -121,7 +125,7 @@ class WeightGatherer:
                     parts.append((key, total, shape))
                     total += torch.Size(shape).numel()
                 slots.append((entry, index, parts))
-            flat = torch.zeros(total, dtype=torch.float32, device=self.device)
+            flat = torch.zeros(total, dtype=self.buffer_dtype, device=self.device)
             for _, index, parts in slots:
                 for key, offset, shape in parts:
                     full = flat[offset:offset + torch.Size(shape).numel()].view(shape)
