@@ -18,23 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from generated_moe import add_size_args, spec_yaml
+
 FLOOR = ("import resource, torch, transformers, megatron_rl.checkpoint.convert; "
          "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
-
-
-def _spec_yaml(a: argparse.Namespace) -> str:
-    return f"""architecture: qwen3_moe
-hidden_size: {a.hidden}
-num_layers: {a.layers}
-num_attention_heads: 8
-num_query_groups: 2
-head_dim: {a.hidden // 8}
-ffn_hidden_size: {a.hidden * 2}
-vocab_size: {a.vocab}
-num_experts: {a.experts}
-moe_router_topk: 2
-moe_ffn_hidden_size: {a.hidden}
-"""
 
 
 def _make_hf(spec_path: Path, out: Path) -> None:
@@ -59,17 +46,14 @@ def _run(cmd: list[str]) -> tuple[float, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_size_args(p, layers=12, hidden=768, experts=16)
     p.add_argument("--shard-mb", type=int, default=256)
     a = p.parse_args()
     cli = [sys.executable, "-m", "megatron_rl.cli", "convert"]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         spec = tmp / "bench-moe.yaml"
-        spec.write_text(_spec_yaml(a))
+        spec.write_text(spec_yaml(a))
         hf, mcore, back = tmp / "hf", tmp / "mcore", tmp / "back"
         _make_hf(spec, hf)
         size_mb = sum(f.stat().st_size for f in hf.glob("*.safetensors")) / 1e6

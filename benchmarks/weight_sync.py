@@ -21,21 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-
-
-def _spec_yaml(a: argparse.Namespace) -> str:
-    return f"""architecture: qwen3_moe
-hidden_size: {a.hidden}
-num_layers: {a.layers}
-num_attention_heads: 8
-num_query_groups: 2
-head_dim: {a.hidden // 8}
-ffn_hidden_size: {a.hidden * 2}
-vocab_size: {a.vocab}
-num_experts: {a.experts}
-moe_router_topk: 2
-moe_ffn_hidden_size: {a.hidden}
-"""
+from generated_moe import add_size_args, spec_yaml
 
 
 def _memcpy_bytes_per_s(nbytes: int, repeats: int = 3) -> float:
@@ -51,10 +37,7 @@ def _memcpy_bytes_per_s(nbytes: int, repeats: int = 3) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_size_args(p, layers=6, hidden=512, experts=16)
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--transports", default="tensor,distributed,disk")
     a = p.parse_args()
@@ -69,7 +52,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         spec = tmp / "bench-moe.yaml"
-        spec.write_text(_spec_yaml(a))
+        spec.write_text(spec_yaml(a))
         init_distributed("gloo")
         actor = MegatronActor(load_config(None, [f"model.name={spec}", "model.seq_length=64",
                                                  "train.global_batch_size=1",

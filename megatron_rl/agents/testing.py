@@ -14,13 +14,13 @@ from megatron_rl.rollout.engines.base import (
     EngineError,
     GenerateRequest,
     GenerateResult,
-    PauseMode,
+    NoServerControl,
 )
 
 Policy = Sequence[str] | Callable[[str], str]
 
 
-class ScriptedEngine:
+class ScriptedEngine(NoServerControl):
     """A `RolloutEngine` whose policy is a script: reply i is the i-th string (or
     `policy(decoded context)`), tokenized and ended with `<|im_end|>`. A reply longer than the
     request's `max_new_tokens` is cut (`length`) and the next request continues it. Log-probs
@@ -65,33 +65,12 @@ class ScriptedEngine:
                               prompt_tokens=len(req.input_ids),
                               text=self.tokenizer.decode(ids))
 
-    async def abort(self, rid: str) -> None:
-        return None
-
-    async def pause_generation(self, mode: PauseMode = "retract") -> None:
-        return None
-
-    async def continue_generation(self) -> None:
-        return None
-
     async def update_weights_from_tensors(self, named_tensors: Iterable[Any],
                                           weight_version: int) -> None:
         self._version = weight_version
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         self._version = weight_version
-
-    async def release_memory(self) -> None:
-        return None
-
-    async def resume_memory(self) -> None:
-        return None
-
-    async def flush_cache(self) -> None:
-        return None
-
-    async def health(self) -> bool:
-        return True
 
 
 class _PagesTool:

@@ -143,3 +143,29 @@ class RolloutEngine(Protocol):
     async def flush_cache(self) -> None: ...
 
     async def health(self) -> bool: ...
+
+
+class NoServerControl:
+    """The control calls of an engine with no server to pause, release or flush (a scripted
+    policy, a hosted chat model): no-ops, and always healthy."""
+
+    async def abort(self, rid: str) -> None:
+        return None
+
+    async def pause_generation(self, mode: PauseMode = "retract") -> None:
+        return None
+
+    async def continue_generation(self) -> None:
+        return None
+
+    async def release_memory(self) -> None:
+        return None
+
+    async def resume_memory(self) -> None:
+        return None
+
+    async def flush_cache(self) -> None:
+        return None
+
+    async def health(self) -> bool:
+        return True

@@ -17,7 +17,7 @@ from megatron_rl.rollout.engines.base import (
     EngineError,
     GenerateRequest,
     GenerateResult,
-    PauseMode,
+    NoServerControl,
 )
 
 _MESSAGE = re.compile(r"<\|im_start\|>(system|user|assistant)\n(.*?)(?:<\|im_end\|>\n?|\Z)",
@@ -37,7 +37,7 @@ def chatml_messages(text: str) -> list[dict[str, str]]:
     return messages
 
 
-class OpenAIChatEngine:
+class OpenAIChatEngine(NoServerControl):
     """`generate` through `/v1/chat/completions` (with the client's limits and retries)."""
 
     weight_version = 0
@@ -59,33 +59,11 @@ class OpenAIChatEngine:
         return GenerateResult(req.rid, ids, [0.0] * len(ids), finish, [0] * len(ids),
                               prompt_tokens=len(req.input_ids), text=text)
 
-    # a hosted model has no weights to update and nothing to pause
-    async def abort(self, rid: str) -> None:
-        return None
-
-    async def pause_generation(self, mode: PauseMode = "retract") -> None:
-        return None
-
-    async def continue_generation(self) -> None:
-        return None
-
     async def update_weights_from_tensors(self, named_tensors: Any, weight_version: int) -> None:
         raise EngineError("a hosted chat model takes no weight updates")
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         raise EngineError("a hosted chat model takes no weight updates")
-
-    async def release_memory(self) -> None:
-        return None
-
-    async def resume_memory(self) -> None:
-        return None
-
-    async def flush_cache(self) -> None:
-        return None
-
-    async def health(self) -> bool:
-        return True
 
     async def close(self) -> None:
         await self.client.close()
