@@ -1,0 +1,48 @@
+"""Rollouts → the trainer's `TokenBatch`.
+
+Each `TrainingSequence` becomes one right-padded row; its per-token advantages and the engine's
+log-probs ride along as `extras` (shifted with the targets by `TokenBatch.from_sequences`).
+Rows are padded up to a multiple (data-parallel ranks × micro-batch size) with fully masked
+rows, which add nothing to a loss sum nor to its token or sequence count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_rl.algorithms.policy_loss import ADVANTAGES
+from megatron_rl.algorithms.rdpo import SequenceAdvantages
+from megatron_rl.rollout.trajectory import TrainingSequence
+from megatron_rl.trainer.batch import TokenBatch
+
+ROLLOUT_LOGPROBS = "rollout_logprobs"
+
+
+def build_batch(sequences: Sequence[TrainingSequence], advantages: Sequence[SequenceAdvantages],
+                *, seq_length: int, pad_id: int, rows_multiple: int = 1) -> TokenBatch:
+    """A [rows, seq_length] batch; a sequence longer than seq_length + 1 tokens is an error
+    naming it (the agent's context limit should have stopped it)."""
+    if len(sequences) != len(advantages):
+        raise ValueError(f"{len(sequences)} sequences but {len(advantages)} advantage rows")
+    if not sequences:
+        raise ValueError("no sequences to train on")
+    width = seq_length + 1
+    rows = -(-len(sequences) // rows_multiple) * rows_multiple
+    tokens = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(rows, width)
+    adv = torch.zeros(rows, width)
+    rollout = torch.zeros(rows, width)
+    for i, (seq, a) in enumerate(zip(sequences, advantages, strict=True)):
+        n = len(seq.tokens)
+        if n > width:
+            raise ValueError(f"sequence {i} has {n} tokens; model.seq_length={seq_length} "
+                             f"holds {width} (inputs + the last target)")
+        if len(a.advantages) != n or len(a.loss_mask) != n:
+            raise ValueError(f"sequence {i}: {n} tokens but {len(a.advantages)} advantages")
+        tokens[i, :n] = torch.tensor(seq.tokens)
+        mask[i, :n] = torch.tensor(a.loss_mask, dtype=torch.float)
+        adv[i, :n] = torch.tensor(a.advantages)
+        rollout[i, :n] = torch.tensor(seq.logprobs)
+    return TokenBatch.from_sequences(tokens, mask, **{ADVANTAGES: adv, ROLLOUT_LOGPROBS: rollout})

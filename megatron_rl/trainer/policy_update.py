@@ -1,0 +1,35 @@
+"""One RL update of the Megatron policy on a rollout batch (collective: every trainer rank).
+
+The "old" log-probs are the trainer's own, taken before the step (ratio 1 at the first update
+of a batch); the engine's log-probs enter only through truncated importance sampling, which
+corrects for the trainer / engine mismatch (kernels, stale weight versions).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl.algorithms.policy_loss import (
+    IS_WEIGHTS,
+    OLD_LOGPROBS,
+    PolicyLossConfig,
+    make_policy_loss_fn,
+)
+from megatron_rl.algorithms.tis import TISConfig, rollout_is_weights
+from megatron_rl.rollout.batching import ROLLOUT_LOGPROBS
+from megatron_rl.trainer.batch import TokenBatch
+
+
+def policy_update(actor: Any, batch: TokenBatch, loss: PolicyLossConfig,
+                  tis: TISConfig | None = None) -> dict[str, float]:
+    """Old log-probs, TIS weights (when `tis`), then one optimizer step of the policy loss.
+    Returns the step's metrics (loss, grad norm, the loss's own metrics, mismatch metrics)."""
+    old, _ = actor.compute_logprobs(batch)
+    batch.extras[OLD_LOGPROBS] = old.detach()
+    metrics: dict[str, float] = {}
+    if tis is not None:
+        result = rollout_is_weights(old, batch.extras[ROLLOUT_LOGPROBS], batch.loss_mask, tis)
+        batch.extras[IS_WEIGHTS] = result.weights
+        metrics.update(result.metrics)
+    metrics.update(actor.train_step(batch, make_policy_loss_fn(loss)))
+    return metrics

@@ -1,0 +1,54 @@
+"""Job bodies for RL-update tests (run inside the worker pools)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.algorithms.advantages import trajectory_advantages
+from megatron_rl.algorithms.policy_loss import PolicyLossConfig
+from megatron_rl.algorithms.rdpo import token_advantages
+from megatron_rl.algorithms.tis import TISConfig
+from megatron_rl.checkpoint.training_checkpoint import load_checkpoint
+from megatron_rl.rollout.batching import build_batch
+from megatron_rl.rollout.trajectory import Trajectory, Turn
+from megatron_rl.trainer.policy_update import policy_update
+from tests import dist_cases
+
+SEQ = 32  # model.seq_length: divisible by TP2 (sequence parallel)
+
+
+def group_of_rollouts(rewards=(1.0, 0.0, 0.0, 1.0), seed: int = 5) -> list[Trajectory]:
+    """One GRPO group: 4 single-turn rollouts of one prompt with made-up engine log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 512, (8,), generator=g).tolist()
+    out = []
+    for i, r in enumerate(rewards):
+        ids = torch.randint(0, 512, (12 + 2 * i,), generator=g).tolist()
+        logprobs = (-6.0 + 0.1 * torch.randn(len(ids), generator=g)).tolist()
+        turn = Turn("agent", prompt, ids, logprobs, [0] * len(ids))
+        out.append(Trajectory(f"u{i}", "g0", "q", "a", [turn], rewards={"outcome": r}))
+    return out
+
+
+def rollout_batch():
+    trajs = group_of_rollouts()
+    adv = trajectory_advantages(trajs)
+    seqs = [t.sequences()[0] for t in trajs]
+    per_token = [token_advantages([s], [a])[0] for s, a in zip(seqs, adv.advantages,
+                                                                 strict=True)]
+    return build_batch(seqs, per_token, seq_length=SEQ, pad_id=0, rows_multiple=2), adv
+
+
+def update(overrides: list[str], init: str) -> dict:
+    """One policy update from the shared initial weights; the metrics and, for the sign
+    check, each row's mean log-prob change on its trained tokens."""
+    actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
+                                   *overrides])
+    load_checkpoint(actor, init, optimizer=False, rng=False)
+    batch, _ = rollout_batch()
+    before, _ = actor.compute_logprobs(batch)
+    metrics = policy_update(actor, batch, PolicyLossConfig(), TISConfig())
+    after, _ = actor.compute_logprobs(batch)
+    m = batch.loss_mask
+    delta = ((after - before) * m).sum(1) / m.sum(1).clamp(min=1)
+    return {**metrics, "row_delta": delta.tolist()}
