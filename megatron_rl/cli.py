@@ -106,6 +106,26 @@ def _search_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from megatron_rl.distributed.process_groups import min_world_size
+    from megatron_rl.distributed.worker_pool import WorkerPool
+    from megatron_rl.train import train
+    from megatron_rl.utils.logs import quiet_libraries
+
+    quiet_libraries()
+    cfg = load_config(args.recipe, args.overrides)
+    nproc = args.nproc or min_world_size(cfg.parallel)
+    print(f"[megatron-rl] RL: {cfg.rl.agent} agent, {cfg.model.name} on {nproc} trainer "
+          f"rank(s), {cfg.train.steps} steps", flush=True)
+    with WorkerPool(nproc) as pool:
+        rows = train(cfg, pool)
+    if rows:
+        print(f"[megatron-rl] pass rate {rows[0]['rollout/pass_rate']:.3f} -> "
+              f"{rows[-1]['rollout/pass_rate']:.3f} over {len(rows)} steps; "
+              f"curves and trajectories in {cfg.train.output_dir}/")
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -158,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list the model registry")
     m.set_defaults(func=_models)
+
+    tr = sub.add_parser("train", help="RL: rollouts with an agent, rewards, Megatron updates")
+    tr.add_argument("recipe")
+    tr.add_argument("overrides", nargs="*")
+    tr.add_argument("--nproc", type=int, default=0, help="trainer ranks (default: from layout)")
+    tr.set_defaults(func=_train)
 
     lm = sub.add_parser("lm-train", help="next-token training of a registry model (Megatron)")
     lm.add_argument("recipe")

@@ -209,6 +209,28 @@ class RolloutConfig:
 
 
 @dataclass
+class RLConfig:
+    """The RL job: which agent, how rollouts are grouped, the estimator and loss."""
+
+    agent: str = bounded("react", choices=("react", "itersynth"))
+    world_docs: int = bounded(300, ge=10, help="pages of the generated world (embedded default)")
+    samples_per_prompt: int = bounded(4, ge=1, help="GRPO group size")
+    groups_per_step: int = bounded(2, ge=1)
+    oversample: float = bounded(1.0, ge=1.0, help="prompts started per needed group")
+    dynamic_sampling: bool = False
+    max_turns: int = bounded(3, ge=1)
+    max_new_tokens: int = bounded(24, ge=1, help="per engine call")
+    temperature: float = bounded(1.0, ge=0.0)
+    estimator: str = bounded("grpo", choices=("grpo", "dr_grpo", "rloo"))
+    clip_ratio_low: float = bounded(0.2, ge=0.0, le=1.0)
+    clip_ratio_high: float = bounded(0.28, ge=0.0)
+    loss_agg_mode: str = bounded("token-mean", choices=("token-mean", "seq-mean-token-sum",
+                                                        "seq-mean-token-mean"))
+    tis_threshold: float = bounded(2.0, ge=0.0, help="token-level truncated IS; 0 = off")
+    sync_transport: str = bounded("tensor", choices=("tensor", "distributed", "disk"))
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -216,6 +238,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def check(self) -> None:
         """Cross-field rules the per-field metadata cannot express."""

@@ -23,7 +23,15 @@ from megatron_rl.trainer.batch import TokenBatch
 def policy_update(actor: Any, batch: TokenBatch, loss: PolicyLossConfig,
                   tis: TISConfig | None = None) -> dict[str, float]:
     """Old log-probs, TIS weights (when `tis`), then one optimizer step of the policy loss.
-    Returns the step's metrics (loss, grad norm, the loss's own metrics, mismatch metrics)."""
+    Returns the step's metrics (loss, grad norm, the loss's own metrics, mismatch metrics).
+
+    A batch with no trained token (every trajectory excluded, e.g. all environment failures)
+    takes no step: its only gradient would be the MoE auxiliary loss, scaled by a token count
+    of zero."""
+    if not batch.loss_mask.any():
+        actor.step += 1  # still a step of the run (as a skipped optimizer step is)
+        return {"skipped": 1.0, "loss": 0.0, "grad_norm": 0.0, "num_tokens": 0.0,
+                "step": float(actor.step)}
     old, _ = actor.compute_logprobs(batch)
     batch.extras[OLD_LOGPROBS] = old.detach()
     metrics: dict[str, float] = {}

@@ -24,7 +24,7 @@ import base64
 import io
 import json
 from collections.abc import Iterable, Iterator
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from types import SimpleNamespace
 from typing import Any
 
@@ -135,18 +135,30 @@ class ShmWriter:
 
 
 class SharedBucket:
-    """Engine side of `encode_shm`: the named tensors as views of the mapped segment.
-    Use as a context manager; the views must not outlive it."""
+    """Engine side of `ShmWriter`: the named tensors as views of the mapped segment.
+    Use as a context manager; the views must not outlive it.
+
+    The segment is mapped straight from /dev/shm rather than through `SharedMemory`, which
+    would register it with Python's resource tracker: that tracker is shared with the
+    processes this one spawned (e.g. the trainer ranks that own the segment), so attaching
+    here and unlinking there would unregister the name twice."""
 
     def __init__(self, header: dict[str, Any]):
+        import mmap
+        import os
+
+        path = f"/dev/shm/{str(header['name']).lstrip('/')}"
         try:
-            self.segment = shared_memory.SharedMemory(name=header["name"])
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise ValueError(f"shared-memory segment {header['name']!r} does not exist (the "
                              "shm transport needs the engine on the trainer's machine)") from None
-        # the trainer owns the segment: keep this process's tracker from unlinking it
-        resource_tracker.unregister(self.segment._name, "shared_memory")
-        flat = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=header["nbytes"])
+        try:
+            # copy-on-write: a writable buffer for torch, the trainer's pages never change
+            self.map = mmap.mmap(fd, max(int(header["nbytes"]), 1), access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+        flat = torch.frombuffer(self.map, dtype=torch.uint8, count=header["nbytes"])
         self.named = unflatten_bucket(flat, header["metadata"])
 
     def __enter__(self) -> list[tuple[str, torch.Tensor]]:
@@ -154,7 +166,7 @@ class SharedBucket:
 
     def __exit__(self, *exc: object) -> None:
         self.named = []
-        self.segment.close()
+        self.map.close()
 
 
 def shm_header(payload: str) -> dict[str, Any] | None:
