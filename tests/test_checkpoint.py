@@ -112,3 +112,11 @@ def test_checkpoint_of_another_model_is_refused(saved, tmp_path):
     manifest["model"] = "qwen3-8b"
     (folder / MANIFEST).write_text(json.dumps(manifest))
     assert "holds model 'qwen3-8b'" in _load_error(folder)
+
+
+def test_checkpoint_before_the_first_optimizer_step_loads(tmp_path):
+    """An RL run whose first steps trained nothing (every trajectory excluded) saves a
+    checkpoint with no Adam moments yet; it must load, optimizer requested or not."""
+    get_pool(1).run(dist_cases.save_initial, str(tmp_path / "ckpt"))
+    got = get_pool(1).run(dist_cases.resume_and_step, [], str(tmp_path / "ckpt"))[0]
+    assert got["loss2"] > 0 and got["grad_norm2"] > 0

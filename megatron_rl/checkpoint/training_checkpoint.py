@@ -240,13 +240,17 @@ def save_checkpoint(actor, root: str | Path, progress: dict[str, Any] | None = N
                     keep_last: int | None = None) -> Path:
     """Collective: every rank calls it. Returns the final step folder."""
     state = _sharded_state(actor, rng=True)
-    state["optimizer"], _layout_specific = _optimizer_state(actor, state["model"], loading=False)
+    contents = ["model", "scheduler", "rng", "progress"]
+    if actor.optimizer_steps:  # before its first step Adam has no moments to save
+        state["optimizer"], _layout_specific = _optimizer_state(actor, state["model"],
+                                                                loading=False)
+        contents.insert(1, "optimizer")
     state["optimizer_step"] = actor.optimizer_steps
     state["scheduler"] = actor.scheduler.state_dict()
     state["progress"] = {"step": actor.step, **(progress or {})}
     state["layout"] = _layout(actor)
     info = {"step": actor.step, "layout": _layout(actor), "model": actor.spec.name,
-            "contents": ["model", "optimizer", "scheduler", "rng", "progress"]}
+            "contents": contents}
     return write_sharded(state, Path(root), f"step_{actor.step:06d}", info, keep_last)
 
 
