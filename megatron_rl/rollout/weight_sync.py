@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron_rl.checkpoint.weight_map import Entry, WeightMap
 from megatron_rl.models.registry import ModelSpec
 from megatron_rl.rollout.engines.http_client import HttpEngine
-from megatron_rl.rollout.engines.tensors import split_buckets
+from megatron_rl.rollout.engines.tensors import buckets_with_last
 
 TRANSPORTS = ("tensor", "distributed", "disk")
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -233,20 +233,9 @@ def _same_machine(url: str) -> bool:
     return urlparse(url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
-def _buckets(tensors: Iterator, bucket_bytes: int) -> Iterator[tuple[list, bool]]:
-    """(bucket, is_last), holding one bucket of look-ahead: the version moves with the last."""
-    held = None
-    for bucket in split_buckets(tensors, bucket_bytes):
-        if held is not None:
-            yield held, False
-        held = bucket
-    if held is not None:
-        yield held, True
-
-
 async def _push_tensors(engines: list[HttpEngine], tensors: Iterator, version: int,
                         bucket_bytes: int) -> None:
-    for bucket, last in _buckets(tensors, bucket_bytes):
+    for bucket, last in buckets_with_last(tensors, bucket_bytes):
         await asyncio.gather(*(e.update_weights_from_tensors(bucket, version if last else None)
                                for e in engines))
 
@@ -282,7 +271,7 @@ async def _push_distributed(engines: list[HttpEngine], tensors: Iterator, versio
     pg = await loop.run_in_executor(None, lambda: _broadcast_group(store, world, timeout))
     await asyncio.gather(*joins)
     try:
-        for bucket, last in _buckets(tensors, bucket_bytes):
+        for bucket, last in buckets_with_last(tensors, bucket_bytes):
             announce = [asyncio.create_task(e.update_weights_from_distributed(
                 [n for n, _ in bucket], [t.dtype for _, t in bucket],
                 [list(t.shape) for _, t in bucket], version if last else None,

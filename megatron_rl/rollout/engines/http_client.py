@@ -28,10 +28,10 @@ from megatron_rl.rollout.engines.base import (
 from megatron_rl.rollout.engines.tensors import (
     FLATTENED,
     ShmWriter,
+    buckets_with_last,
     dtype_name,
     encode_safetensors,
     encode_torch_ipc,
-    split_buckets,
 )
 
 TensorTransport = Literal["safetensors", "torch_ipc", "shm"]
@@ -251,14 +251,11 @@ class HttpEngine:
                 body["weight_version"] = str(weight_version)
             await self.request("POST", "/update_weights_from_tensor", body)
 
-        held: list[tuple[str, torch.Tensor]] | None = None
-        for bucket in split_buckets(named_tensors, self.bucket_bytes):
-            if held is not None:
-                await send(held, last=False)
-            held = bucket
-        if held is not None:
-            await send(held, last=True)
-        elif weight_version is not None:  # no tensors: only the version moves
+        sent = False
+        for bucket, last in buckets_with_last(named_tensors, self.bucket_bytes):
+            await send(bucket, last)
+            sent = True
+        if not sent and weight_version is not None:  # no tensors: only the version moves
             await self.request("POST", "/update_weight_version",
                                {"new_version": str(weight_version),
                                 "abort_all_requests": False})

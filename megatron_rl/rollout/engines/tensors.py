@@ -78,6 +78,19 @@ def split_buckets(named: Iterable[tuple[str, torch.Tensor]],
         yield bucket
 
 
+def buckets_with_last(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                      ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """(bucket, is_last) with one bucket of look-ahead: a weight version moves with the last
+    bucket, so tokens generated between buckets keep the old one."""
+    held = None
+    for bucket in split_buckets(named, bucket_bytes):
+        if held is not None:
+            yield held, False
+        held = bucket
+    if held is not None:
+        yield held, True
+
+
 def encode_safetensors(named: list[tuple[str, torch.Tensor]], flattened: bool) -> str:
     from safetensors.torch import save
 
