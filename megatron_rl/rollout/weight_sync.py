@@ -95,7 +95,7 @@ class WeightGatherer:
         for entry, index in self.wmap.units():
             groups.setdefault(("layer", entry.layer_type == "mtp", index[0]) if index
                               else entry.keys, []).append((entry, index))
-        self.groups = list(groups.values())
+        self.layout = [self._group_layout(g) for g in groups.values()]
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if torch.cuda.is_available() else torch.device("cpu"))
         # the parameters' own dtype: summing one owner's value with zeros is exact in any
@@ -103,6 +103,20 @@ class WeightGatherer:
         self.buffer_dtype = next((data.dtype for chunks in self.local.values()
                                   for data, _, _ in chunks), torch.float32)
         self.stats = SyncStats()
+
+    def _group_layout(self, group: list[tuple[Entry, tuple[int, ...]]]) -> tuple[list, int]:
+        """Where each tensor of one layer sits in its flat gather buffer (fixed per model, so
+        computed once): [(entry, index, [(key, offset, shape)])], total elements."""
+        slots, total = [], 0
+        for entry, index in group:
+            parts = []
+            for key, shape in zip(self.wmap.checkpoint_keys(entry, index),
+                                  self.wmap.megatron_shapes(entry, index), strict=True):
+                shape = self._shape(key, shape)
+                parts.append((key, total, shape))
+                total += torch.Size(shape).numel()
+            slots.append((entry, index, parts))
+        return slots, total
 
     def _shape(self, key: str, shape: torch.Size) -> tuple[int, ...]:
         return (self.padded_vocab, *shape[1:]) if key in VOCAB_KEYS else tuple(shape)
@@ -112,19 +126,8 @@ class WeightGatherer:
         """Every rank must exhaust this iterator (it runs one reduction per layer); only rank 0
         yields (HF name, full tensor) pairs."""
         self.stats = SyncStats()
-        for group in self.groups:
+        for slots, total in self.layout:
             t0 = time.perf_counter()
-            slots = []  # (entry, index, [(key, offset, shape)])
-            total = 0
-            for entry, index in group:
-                keys = self.wmap.checkpoint_keys(entry, index)
-                shapes = self.wmap.megatron_shapes(entry, index)
-                parts = []
-                for key, shape in zip(keys, shapes, strict=True):
-                    shape = self._shape(key, shape)
-                    parts.append((key, total, shape))
-                    total += torch.Size(shape).numel()
-                slots.append((entry, index, parts))
             flat = torch.zeros(total, dtype=self.buffer_dtype, device=self.device)
             for _, index, parts in slots:
                 for key, offset, shape in parts:
