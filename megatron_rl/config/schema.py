@@ -71,6 +71,11 @@ class TrainConfig:
     log_every: int = bounded(1, ge=1)
     logprob_chunk_tokens: int = bounded(4096, ge=1,
                                         help="tokens per chunk when computing log-probs")
+    max_tokens_per_microbatch: int = bounded(
+        0, ge=0, help="token budget of a micro-batch per rank (dynamic batch size); 0 = "
+        "fixed micro_batch_size rows")
+    pack_sequences: bool = bounded(False, help="pack sequences into rows where the layers "
+                                   "support it (needs max_tokens_per_microbatch)")
     output_dir: str = bounded("runs/default", help="metrics.jsonl and plots go here")
 
 
@@ -228,6 +233,28 @@ class RLConfig:
                                                         "seq-mean-token-mean"))
     tis_threshold: float = bounded(2.0, ge=0.0, help="token-level truncated IS; 0 = off")
     sync_transport: str = bounded("tensor", choices=("tensor", "distributed", "disk"))
+    reward_manager: str = bounded(
+        "grpo", choices=("grpo", "rdpo", "rdpo_mixed", "pipeline_outcome", "end_to_end",
+                         "c_grpo", "intermediate_fact"),
+        help="how rewards become per-turn advantages (algorithms/reward_managers.py)")
+    rubric_weight: float = bounded(1.0, ge=0.0, help="RDPO: weight of a turn's rubric score")
+    exclude_max_turns_from_loss: bool = bounded(
+        False, help="max_turns trajectories count in group statistics but are not trained")
+    overlong_buffer: int = bounded(0, ge=0, help="DAPO overlong penalty ramp (tokens); 0 = off")
+    ratio_level: str = bounded("token", choices=("token", "sequence"),
+                               help="sequence = GSPO")
+    kl_coef: float = bounded(0.0, ge=0.0, help="KL to the initial policy; 0 = off")
+    entropy_coef: float = bounded(0.0, ge=0.0)
+    entropy_target: float = bounded(0.0, ge=0.0, help="EntroPIC target entropy; 0 = off")
+    entropy_kp: float = bounded(0.01, ge=0.0)
+    entropy_ki: float = bounded(0.001, ge=0.0)
+    routing_replay: bool = bounded(False, help="MoE R3: replay the engine's routed experts")
+    partial_rollout: bool = bounded(
+        False, help="Iris: cut in-flight sessions at the step boundary and resume them next "
+        "step from their committed prefix (rollout forest)")
+    eval_every: int = bounded(0, ge=0, help="steps between held-out evaluations; 0 = off")
+    eval_prompts: int = bounded(8, ge=1)
+    loggers: tuple[str, ...] = bounded((), help="extra metric sinks: tensorboard, wandb")
 
 
 @dataclass
