@@ -5,7 +5,8 @@ with attributes and links (a company's founder and headquarters, a person's birt
 university, a city's country, a country's capital), renders one wiki-style page per entity as
 (url, title, text), and derives multi-hop questions whose answers follow the links, e.g.
 "In which city was the founder of Zorvex Dynamics born?". Every answer is on a page reachable
-by search + visit, and each question lists its supporting pages in hop order.
+by search + visit, and each question lists its supporting pages in hop order and the
+intermediate entities it passes through (`facts`).
 
 Entities are generated up front (small named tuples; ~1M docs fit in memory); page text is
 rendered on demand from a per-page seed, so `pages()` is cheap to iterate and identical across
@@ -94,10 +95,14 @@ class Question:
     answer: str
     kind: str
     support: tuple[str, ...]  # URLs of the pages that hold each hop, in order
+    # the intermediate (bridge) entities the hops pass through, in hop order, the answer
+    # excluded: the titles of support[1:] (the intermediate-fact reward looks for them)
+    facts: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["support"] = list(self.support)
+        d["facts"] = list(self.facts)
         return d
 
 
@@ -238,27 +243,28 @@ class World:
         p = self.people[c.founder]
         return Question(f"In which city was the founder of {c.name} born?",
                         self.cities[p.birth_city].name, "founder_birth_city",
-                        (self.url(c.name), self.url(p.name)))
+                        (self.url(c.name), self.url(p.name)), (p.name,))
 
     def _q_company_country(self, rng: random.Random) -> Question:
         c = rng.choice(self.companies)
         city = self.cities[c.hq]
         return Question(f"In which country is the headquarters of {c.name}?",
                         self.countries[city.country].name, "company_country",
-                        (self.url(c.name), self.url(city.name)))
+                        (self.url(c.name), self.url(city.name)), (city.name,))
 
     def _q_founder_university(self, rng: random.Random) -> Question:
         c = rng.choice(self.companies)
         p = self.people[c.founder]
         return Question(f"Which university did the founder of {c.name} attend?",
                         self.universities[p.university].name, "founder_university",
-                        (self.url(c.name), self.url(p.name)))
+                        (self.url(c.name), self.url(p.name)), (p.name,))
 
     def _q_university_year(self, rng: random.Random) -> Question:
         p = rng.choice(self.people)
         u = self.universities[p.university]
         return Question(f"In what year was the university attended by {p.name} founded?",
-                        str(u.founded), "university_year", (self.url(p.name), self.url(u.name)))
+                        str(u.founded), "university_year", (self.url(p.name), self.url(u.name)),
+                        (u.name,))
 
     def _q_birth_country_capital(self, rng: random.Random) -> Question:
         p = rng.choice(self.people)
@@ -266,7 +272,8 @@ class World:
         country = self.countries[city.country]
         return Question(f"What is the capital of the country where {p.name} was born?",
                         self.cities[country.capital].name, "birth_country_capital",
-                        (self.url(p.name), self.url(city.name), self.url(country.name)))
+                        (self.url(p.name), self.url(city.name), self.url(country.name)),
+                        (city.name, country.name))
 
     def _q_founder_university_city(self, rng: random.Random) -> Question:
         c = rng.choice(self.companies)
@@ -274,7 +281,8 @@ class World:
         u = self.universities[p.university]
         return Question(f"In which city is the university attended by the founder of {c.name} "
                         "located?", self.cities[u.city].name, "founder_university_city",
-                        (self.url(c.name), self.url(p.name), self.url(u.name)))
+                        (self.url(c.name), self.url(p.name), self.url(u.name)),
+                        (p.name, u.name))
 
 
 def generate_world(num_docs: int = 10_000, seed: int = 0) -> World:
