@@ -21,6 +21,7 @@ from megatron_rl.env.base import Tool, tool_spec
 from megatron_rl.rollout.engines.base import (
     EngineError,
     GenerateRequest,
+    GenerateResult,
     RolloutEngine,
     SamplingParams,
 )
@@ -51,6 +52,7 @@ class AgentConfig:
     degenerate_check: Callable[[str], bool] | None = is_degenerate
     discard_all: bool = False             # eval only: on overflow restart from the question
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
+    return_routed_experts: bool = False   # MoE routing replay: keep the engine's routing per turn
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens", "max_tool_calls_per_turn",
@@ -111,6 +113,16 @@ class BaseAgent:
         stops = sorted(set(self.config.sampling.stop_token_ids) | {self.chat.im_end_id})
         self.sampling = dataclasses.replace(self.config.sampling, stop_token_ids=stops)
 
+    def routed_experts(self, rid: str, res: GenerateResult) -> list[Any] | None:
+        """The engine's routing of the turn (routing replay), as JSON-friendly lists."""
+        if not self.config.return_routed_experts:
+            return None
+        if res.routed_experts is None:
+            raise EngineError(f"request {rid}: routed experts were asked for but not returned "
+                              "(SGLang needs --enable-return-routed-experts)",
+                              endpoint="/generate")
+        return res.routed_experts.tolist()
+
     def overflows(self, context: Sequence[int]) -> bool:
         return len(context) + self.sampling.max_new_tokens > self.config.max_context_tokens
 
@@ -127,10 +139,13 @@ class BaseAgent:
                 traj.add_label("overlong", traj.turns[-1] if traj.turns else None)
                 return Message(turns, out, self.chat.decode(out), True)
             rid = f"{traj.uid}/{len(traj.turns)}"
-            res = await engine.generate(GenerateRequest(rid, list(context), self.sampling))
+            res = await engine.generate(GenerateRequest(
+                rid, list(context), self.sampling,
+                return_routed_experts=cfg.return_routed_experts))
             turn = Turn(role, list(context), list(res.output_ids), list(res.output_logprobs),
                         list(res.weight_versions), finish_reason=res.finish_reason,
-                        text=self.chat.decode(res.output_ids))
+                        text=self.chat.decode(res.output_ids),
+                        routed_experts=self.routed_experts(rid, res))
             traj.turns.append(turn)
             turns.append(turn)
             out += res.output_ids

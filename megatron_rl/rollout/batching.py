@@ -2,6 +2,9 @@
 
 Each `TrainingSequence` becomes one right-padded row; its per-token advantages and the engine's
 log-probs ride along as `extras` (shifted with the targets by `TokenBatch.from_sequences`).
+With MoE routing replay the engine's routed experts ride along too (`extras["routed_experts"]`,
+[rows, seq, layers, top_k] long, aligned with the *inputs*; -1 where the engine never saw a
+token) when every sequence has them.
 Rows are padded up to a multiple (data-parallel ranks × micro-batch size) with fully masked
 rows, which add nothing to a loss sum nor to its token or sequence count.
 """
@@ -14,6 +17,7 @@ import torch
 
 from megatron_rl.algorithms.policy_loss import ADVANTAGES
 from megatron_rl.algorithms.rdpo import SequenceAdvantages
+from megatron_rl.models.routing_replay import NOT_ROUTED, ROUTED_EXPERTS
 from megatron_rl.rollout.trajectory import TrainingSequence
 from megatron_rl.trainer.batch import TokenBatch
 
@@ -45,4 +49,21 @@ def build_batch(sequences: Sequence[TrainingSequence], advantages: Sequence[Sequ
         mask[i, :n] = torch.tensor(a.loss_mask, dtype=torch.float)
         adv[i, :n] = torch.tensor(a.advantages)
         rollout[i, :n] = torch.tensor(seq.logprobs)
-    return TokenBatch.from_sequences(tokens, mask, **{ADVANTAGES: adv, ROLLOUT_LOGPROBS: rollout})
+    batch = TokenBatch.from_sequences(tokens, mask, **{ADVANTAGES: adv, ROLLOUT_LOGPROBS: rollout})
+    if all(s.routed_experts is not None for s in sequences):
+        batch.extras[ROUTED_EXPERTS] = routed_experts(sequences, rows, width)[:, :-1]
+    return batch
+
+
+def routed_experts(sequences: Sequence[TrainingSequence], rows: int, width: int) -> torch.Tensor:
+    """[rows, width, *per-token shape] expert ids; -1 for tokens without routing and padding."""
+    shape = next((tuple(torch.tensor(r).shape) for s in sequences for r in s.routed_experts
+                  if r is not None), None)
+    if shape is None:
+        raise ValueError("routing replay: no sequence has any routed token")
+    out = torch.full((rows, width, *shape), NOT_ROUTED, dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        have = [t for t, r in enumerate(seq.routed_experts) if r is not None]
+        if have:
+            out[i, have] = torch.tensor([seq.routed_experts[t] for t in have])
+    return out

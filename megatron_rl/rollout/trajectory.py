@@ -8,6 +8,10 @@ context is the previous sequence followed by that turn's output and observation 
 conversation) extends it; any other context (IterSynth's Planner and Synthesizer each start from
 a fresh prompt) starts a new sequence.
 
+With MoE routing replay (R3) each turn also keeps the engine's routed experts: for every token
+it fed the engine (context + output, less the last sampled token), the top-k expert ids of each
+MoE layer. A sequence takes each token's routing from the latest turn that fed it.
+
 Labels classify what went wrong (the abnormal-trajectory taxonomy): environment failures are the
 environment's fault (the RL loss leaves them out), model failures are the policy's (they keep
 their reward).
@@ -48,6 +52,9 @@ class Turn:
     labels: list[str] = field(default_factory=list)
     # which output tokens are trained (None: all); e.g. an SFT judge masking a whole turn
     loss_mask: list[int] | None = None
+    # MoE routing replay: per fed token (context + output[:-1]), [layers][top_k] expert ids as
+    # the engine returned them; None when not asked for, empty when nothing was fed
+    routed_experts: list[Any] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -58,6 +65,11 @@ class Turn:
         if self.loss_mask is not None and len(self.loss_mask) != n:
             raise ValueError(f"turn ({self.role}): {n} output ids but a loss mask of "
                              f"{len(self.loss_mask)}")
+        if self.routed_experts is not None:
+            fed = len(self.context_ids) + n - 1
+            if len(self.routed_experts) not in (0, fed):
+                raise ValueError(f"turn ({self.role}): routed experts for "
+                                 f"{len(self.routed_experts)} tokens; it fed {fed}")
 
 
 @dataclass
@@ -69,6 +81,9 @@ class TrainingSequence:
     logprobs: list[float]         # the engine's log-probs (0 where masked)
     weight_versions: list[int]    # -1 where masked
     turn_index: list[int]         # which turn generated the token (-1 for context/observations)
+    # MoE routing replay: per token, [layers][top_k] expert ids from the latest turn that fed it
+    # to the engine (None for a token no turn fed); None unless every turn has its routing
+    routed_experts: list[Any] | None = None
 
 
 @dataclass
@@ -114,13 +129,13 @@ class Trajectory:
 
     def sequences(self) -> list[TrainingSequence]:
         out: list[TrainingSequence] = []
+        routed = bool(self.turns) and all(t.routed_experts is not None for t in self.turns)
         for i, turn in enumerate(self.turns):
             current = out[-1] if out else None
             if current is None or turn.context_ids != current.tokens:
-                current = TrainingSequence(list(turn.context_ids), [0] * len(turn.context_ids),
-                                           [0.0] * len(turn.context_ids),
-                                           [-1] * len(turn.context_ids),
-                                           [-1] * len(turn.context_ids))
+                c = len(turn.context_ids)
+                current = TrainingSequence(list(turn.context_ids), [0] * c, [0.0] * c, [-1] * c,
+                                           [-1] * c, [None] * c if routed else None)
                 out.append(current)
             n, m = len(turn.output_ids), len(turn.observation_ids)
             current.tokens += turn.output_ids + turn.observation_ids
@@ -129,6 +144,9 @@ class Trajectory:
             current.logprobs += list(turn.output_logprobs) + [0.0] * m
             current.weight_versions += list(turn.weight_versions) + [-1] * m
             current.turn_index += [i] * n + [-1] * m
+            if routed:  # this turn re-fed its whole context: its routing replaces the older
+                current.routed_experts += [None] * (n + m)
+                current.routed_experts[:len(turn.routed_experts)] = list(turn.routed_experts)
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from megatron_rl.config.schema import Config
 from megatron_rl.distributed.process_groups import Layout, init_model_parallel
 from megatron_rl.models.builder import DTYPES, build_gpt_model, logprob_output_processor
 from megatron_rl.models.registry import ModelSpec, get_model_spec
+from megatron_rl.models.routing_replay import ROUTED_EXPERTS, RoutingReplay
 from megatron_rl.trainer.batch import TokenBatch
 from megatron_rl.trainer.losses import LossFn
 
@@ -35,8 +36,12 @@ class MegatronActor:
         if self.spec.is_moe and self.spec.num_experts % cfg.parallel.ep:
             raise ValueError(f"parallel.ep={cfg.parallel.ep} does not divide the "
                              f"{self.spec.num_experts} experts of {self.spec.name}")
-        module = build_gpt_model(self.spec, cfg.model, cfg.parallel)
+        # MoE routing replay (R3): batches carrying the engine's routing are routed by it
+        replay = self.spec.is_moe and getattr(cfg.rl, "routing_replay", False)
+        module = build_gpt_model(self.spec, cfg.model, cfg.parallel,
+                                 **({"moe_enable_routing_replay": True} if replay else {}))
         self.config = module.config
+        self.routing = RoutingReplay([module], self.config) if replay else None
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=cfg.parallel.distributed_optimizer,
@@ -153,15 +158,22 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            reroute = self.routing and self.routing.set(mb.extras.get(ROUTED_EXPERTS))
             out = model(mb.input_ids, mb.position_ids, None, labels=mb.labels,
                         output_processor=processor)
+            if reroute and out.requires_grad:  # recomputation in backward routes the same way
+                out.register_hook(reroute)
             return out, partial(loss_func, mb)
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=self.model,
-            num_microbatches=len(micro), seq_length=local.seq_length,
-            micro_batch_size=micro[0].rows, forward_only=forward_only,
-            collect_non_loss_data=collect)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro), model=self.model,
+                num_microbatches=len(micro), seq_length=local.seq_length,
+                micro_batch_size=micro[0].rows, forward_only=forward_only,
+                collect_non_loss_data=collect)
+        finally:
+            if self.routing:
+                self.routing.clear()
 
     def _from_last_stage(self, obj: Any) -> Any:
         """Share a value that only the last pipeline stage computed with all stages."""

@@ -280,8 +280,9 @@ class EmbeddedServer:
             raise BadRequest(f"input_ids: {len(ids)} tokens exceed the context length "
                              f"{self.core.context_length}")
         routed = typed_field(body, "return_routed_experts", "bool", False, "")
-        if routed and not self.core.num_experts:
-            raise BadRequest("return_routed_experts: the model has no experts")
+        if routed and not self.core.routers:
+            raise BadRequest("return_routed_experts: the model has no experts (or no router "
+                             "transformers can record)")
         return Seq(rid=rid, prompt=list(ids),
                    sampling=Sampling.parse(body.get("sampling_params"), self.core.vocab_size),
                    return_logprob=bool(typed_field(body, "return_logprob", "bool", False, "")),

@@ -138,6 +138,19 @@ class Seq:
     started: float = field(default_factory=time.monotonic)
 
 
+def router_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
+    """The MoE routers of a transformers model, in layer order, with the index of the router
+    logits in their output: what its `output_router_logits` records (`_can_record_outputs`)."""
+    rec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    if rec is None:
+        return []
+    target = getattr(rec, "target_class", rec)
+    index = getattr(rec, "index", 0)
+    where = getattr(rec, "layer_name", None)
+    return [(m, index) for name, m in model.named_modules()
+            if isinstance(m, target) and (where is None or where in name)]
+
+
 # ---------------------------------------------------------------------------------------------
 # weights: checkpoint (HF file) names → slices of the live parameters
 # ---------------------------------------------------------------------------------------------
@@ -228,6 +241,7 @@ class EmbeddedCore:
                                   or 1 << 30)
         self.num_experts = getattr(cfg, "num_experts", None)
         self.top_k_experts = getattr(cfg, "num_experts_per_tok", None)
+        self.routers = router_modules(model) if self.num_experts else []
         self.eos_ids = self._eos_ids()
         self.max_batch_size = max_batch_size
         self.return_original_logprob = return_original_logprob
@@ -324,14 +338,24 @@ class EmbeddedCore:
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any,
                  routed: bool) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1,
-                         **({"output_router_logits": True} if routed else {}))
+        # router logits come from hooks on the routers, not `output_router_logits`: that also
+        # computes the load-balancing loss, whose attention-mask shapes break on KV-cached
+        # steps of more than one row
+        logits: list[torch.Tensor] = []
+        hooks = [m.register_forward_hook(
+            lambda _m, _a, o, i=i: logits.append(o[i] if isinstance(o, (tuple, list)) else o))
+            for m, i in (self.routers if routed else [])]
+        try:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            for h in hooks:
+                h.remove()
         experts = None
         if routed:  # per layer [B*L, E] → [B, L, layers, top_k]
             b, n = ids.shape
             experts = torch.stack([torch.topk(r.view(b, n, -1), self.top_k_experts, dim=-1)
-                                   .indices for r in out.router_logits], dim=2)
+                                   .indices for r in logits], dim=2)
         return out.logits[:, -1, :].float(), out.past_key_values, experts
 
     def _admit(self) -> None:
