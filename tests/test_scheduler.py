@@ -65,10 +65,10 @@ def test_running_sessions_are_cancelled_and_requeued():
 
     async def two_steps():
         first = await asyncio.wait_for(sched.collect(step=0), timeout=10)
-        requeued = [p.question for p in sched.requeued]
+        requeued = [g.prompt.question for g in sched.requeued]
         return first, requeued
 
     first, requeued = asyncio.run(two_steps())
     assert len(first.groups) == 1 and first.groups[0][0].question == "mixed 1"
     assert first.cancelled_prompts == 1 and requeued == ["slow 2"]
-    assert sched._next_prompt().question == "slow 2"  # first in line next step
+    assert sched._next_group().prompt.question == "slow 2"  # first in line next step

@@ -53,6 +53,8 @@ class AgentConfig:
     discard_all: bool = False             # eval only: on overflow restart from the question
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
     return_routed_experts: bool = False   # MoE routing replay: keep the engine's routing per turn
+    # reproducible rollouts: each request's sampling seed derives from it and the request id
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens", "max_tool_calls_per_turn",
@@ -68,10 +70,19 @@ class AgentConfig:
                              f"room for a prompt in max_context_tokens={self.max_context_tokens}")
 
 
+# A session's committed prefix and the agent's loop state after it (the rollout forest's node)
+Resume = tuple[Trajectory, dict[str, Any]]
+# called after every finished message with the trajectory so far and the loop state to resume at
+Commit = Callable[[Trajectory, dict[str, Any]], None]
+
+
 @runtime_checkable
 class Agent(Protocol):
     async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
-                  group_id: str, uid: str) -> Trajectory: ...
+                  group_id: str, uid: str, resume: Resume | None = None,
+                  commit: Commit | None = None) -> Trajectory:
+        """Run an episode, or continue one from `resume` (a prefix an earlier `commit` saw)."""
+        ...
 
 
 def failure_label(tool: Tool, error: str | None) -> str:
@@ -113,6 +124,20 @@ class BaseAgent:
         stops = sorted(set(self.config.sampling.stop_token_ids) | {self.chat.im_end_id})
         self.sampling = dataclasses.replace(self.config.sampling, stop_token_ids=stops)
 
+    @staticmethod
+    def start(question: str, reference: str | None, group_id: str, uid: str,
+              resume: Resume | None) -> Resume:
+        if resume is not None:
+            return resume
+        return Trajectory(uid=uid, group_id=group_id, question=question,
+                          reference=reference), {}
+
+    def sampling_for(self, rid: str) -> SamplingParams:
+        if self.config.seed is None:
+            return self.sampling
+        return dataclasses.replace(self.sampling,
+                                   seed=zlib.crc32(f"{self.config.seed}:{rid}".encode()))
+
     def routed_experts(self, rid: str, res: GenerateResult) -> list[Any] | None:
         """The engine's routing of the turn (routing replay), as JSON-friendly lists."""
         if not self.config.return_routed_experts:
@@ -140,7 +165,7 @@ class BaseAgent:
                 return Message(turns, out, self.chat.decode(out), True)
             rid = f"{traj.uid}/{len(traj.turns)}"
             res = await engine.generate(GenerateRequest(
-                rid, list(context), self.sampling,
+                rid, list(context), self.sampling_for(rid),
                 return_routed_experts=cfg.return_routed_experts))
             turn = Turn(role, list(context), list(res.output_ids), list(res.output_logprobs),
                         list(res.weight_versions), finish_reason=res.finish_reason,

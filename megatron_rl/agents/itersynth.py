@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_rl.agents.base import AgentConfig, BaseAgent
+from megatron_rl.agents.base import AgentConfig, BaseAgent, Commit, Resume
 from megatron_rl.agents.tool_parser import visible_text
 from megatron_rl.env.base import Tool
 from megatron_rl.rollout.engines.base import RolloutEngine
@@ -60,12 +60,13 @@ class IterSynthAgent(BaseAgent):
         return self.chat.prompt_ids(self.synthesizer_prompt, user)
 
     async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
-                  group_id: str, uid: str) -> Trajectory:
+                  group_id: str, uid: str, resume: Resume | None = None,
+                  commit: Commit | None = None) -> Trajectory:
         cfg = self.config
-        traj = Trajectory(uid=uid, group_id=group_id, question=question, reference=reference)
-        summary = ""
+        traj, state = self.start(question, reference, group_id, uid, resume)
+        summary = state.get("summary", "")
         summaries: list[str] = traj.metadata.setdefault("summaries", [])
-        for step in range(cfg.max_turns):
+        for step in range(state.get("step", 0), cfg.max_turns):
             plan = await self.message(engine, traj, self.planner_context(question, summary),
                                       "planner")
             acted = await self.act(traj, plan, step)
@@ -84,4 +85,6 @@ class IterSynthAgent(BaseAgent):
             summaries.append(summary)
             if not within_budget:
                 break
+            if commit is not None:
+                commit(traj, {"step": step + 1, "summary": summary})
         return traj

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_rl.agents.base import AgentConfig, BaseAgent
+from megatron_rl.agents.base import AgentConfig, BaseAgent, Commit, Resume
 from megatron_rl.env.base import Tool
 from megatron_rl.rollout.engines.base import RolloutEngine
 from megatron_rl.rollout.trajectory import Trajectory
@@ -35,11 +35,13 @@ class ReActAgent(BaseAgent):
         return self.chat.prompt_ids(self.system_prompt, self.chat.safe_text(question), self.specs)
 
     async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
-                  group_id: str, uid: str) -> Trajectory:
+                  group_id: str, uid: str, resume: Resume | None = None,
+                  commit: Commit | None = None) -> Trajectory:
         cfg = self.config
-        traj = Trajectory(uid=uid, group_id=group_id, question=question, reference=reference)
-        first = context = self.first_context(question)
-        for step in range(cfg.max_turns):
+        traj, state = self.start(question, reference, group_id, uid, resume)
+        first = self.first_context(question)
+        context = state.get("context", first)
+        for step in range(state.get("step", 0), cfg.max_turns):
             msg = await self.message(engine, traj, context, self.role)
             acted = await self.act(traj, msg, step)
             if acted is None:
@@ -55,4 +57,6 @@ class ReActAgent(BaseAgent):
                 # eval-time context management: forget the history, keep the question
                 traj.metadata["discards"] = traj.metadata.get("discards", 0) + 1
                 context = first
+            if commit is not None:
+                commit(traj, {"step": step + 1, "context": context})
         return traj

@@ -1,8 +1,13 @@
 """Collecting a step's rollout groups: every prompt is run `samples_per_prompt` times (a GRPO
 group), each finished group is judged at once, and with dynamic sampling (DAPO) groups whose
 rewards all agree are dropped and replaced by prompts over-sampled up front. Once enough groups
-are kept, the sessions still running are cancelled; their prompts go back to the front of the
-queue for the next step (the simple, synchronous form of Iris' partial rollout).
+are kept, the sessions still running are cancelled and their groups go back to the front of the
+queue for the next step. Without partial rollout they start over; with it (Iris), every
+session resumes from its last committed message, kept in the rollout forest (`forest.py`), so
+the long tail of a step is not thrown away but finished under the next weights.
+
+Kept groups are returned in launch order (not completion order), so a run whose groups are all
+kept (no over-sampling, no dynamic sampling) builds the same batch whatever the timing.
 """
 
 from __future__ import annotations
@@ -11,12 +16,13 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_rl.algorithms.advantages import dynamic_sampling_filter, trajectory_flags
 from megatron_rl.rewards.composite import score_group
 from megatron_rl.rollout.engines.base import RolloutEngine
+from megatron_rl.rollout.forest import RolloutForest
 from megatron_rl.rollout.trajectory import Trajectory
 
 
@@ -25,6 +31,7 @@ class Prompt:
     question: str
     answer: str
     uid: str                       # stable id of the prompt (the group id of its samples)
+    metadata: dict[str, Any] = field(default_factory=dict)  # copied onto its trajectories
 
 
 @dataclass
@@ -34,6 +41,7 @@ class SchedulerConfig:
     oversample: float = 1.0        # prompts started per needed group (Iris uses ~2)
     dynamic_sampling: bool = True  # drop zero-variance groups and refill
     max_refills: int = 4           # rounds of refill before a step gives up filling
+    partial_rollout: bool = False  # cut sessions resume next step from the rollout forest
 
     def __post_init__(self) -> None:
         if self.samples_per_prompt < 1 or self.groups_per_step < 1:
@@ -47,11 +55,21 @@ class StepRollouts:
     groups: list[list[Trajectory]]
     dropped_groups: int = 0        # zero-variance (or all-excluded) groups
     cancelled_prompts: int = 0     # still running when the step had enough; requeued
+    resumed_samples: int = 0       # sessions continued from a committed prefix
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def trajectories(self) -> list[Trajectory]:
         return [t for g in self.groups for t in g]
+
+
+@dataclass
+class PendingGroup:
+    """A prompt's group: per sample, its forest node (the root until a message commits)."""
+
+    prompt: Prompt
+    nodes: list[int]
+    order: int = 0                 # launch order, which orders a step's kept groups
 
 
 class RolloutScheduler:
@@ -61,21 +79,45 @@ class RolloutScheduler:
                  prompts: Iterator[Prompt], config: SchedulerConfig | None = None):
         self.agent, self.engine, self.judge = agent, engine, judge
         self.prompts, self.cfg = prompts, config or SchedulerConfig()
-        self.requeued: deque[Prompt] = deque()  # cancelled last step: first in line
-        self.started = 0                        # prompts drawn from `prompts` so far
+        self.requeued: deque[PendingGroup] = deque()  # cut last step: first in line
+        self.started = 0                              # prompts drawn from `prompts` so far
+        self.forest = RolloutForest()
+        self._launched = 0
 
-    def _next_prompt(self) -> Prompt | None:
+    def _next_group(self) -> PendingGroup | None:
         if self.requeued:
-            return self.requeued.popleft()
-        prompt = next(self.prompts, None)
-        self.started += prompt is not None
-        return prompt
+            group = self.requeued.popleft()
+        else:
+            prompt = next(self.prompts, None)
+            if prompt is None:
+                return None
+            self.started += 1
+            root = self.forest.root(prompt.uid)
+            group = PendingGroup(prompt, [root] * self.cfg.samples_per_prompt)
+        group.order, self._launched = self._launched, self._launched + 1
+        return group
 
-    async def _group(self, prompt: Prompt, step: int) -> list[Trajectory]:
-        n = self.cfg.samples_per_prompt
-        trajs = await asyncio.gather(*(self.agent.run(
-            prompt.question, prompt.answer, self.engine, group_id=prompt.uid,
-            uid=f"{prompt.uid}/s{step}/{i}") for i in range(n)))
+    async def _sample(self, group: PendingGroup, i: int, step: int,
+                      out: StepRollouts) -> Trajectory:
+        p = group.prompt
+        resume = self.forest.resume(group.nodes[i])
+        if resume is not None and resume[1].get("done"):  # finished before the cut
+            return resume[0]
+        out.resumed_samples += resume is not None
+
+        def commit(traj: Trajectory, state: dict[str, Any]) -> None:
+            group.nodes[i] = self.forest.commit(group.nodes[i], traj, state)
+
+        traj = await self.agent.run(p.question, p.answer, self.engine, group_id=p.uid,
+                                    uid=f"{p.uid}/s{step}/{i}", resume=resume, commit=commit)
+        traj.metadata.update(p.metadata)
+        commit(traj, {"done": True})
+        return traj
+
+    async def _group(self, group: PendingGroup, step: int, out: StepRollouts
+                     ) -> list[Trajectory]:
+        trajs = await asyncio.gather(*(self._sample(group, i, step, out)
+                                       for i in range(len(group.nodes))))
         await score_group(list(trajs), self.judge)
         return list(trajs)
 
@@ -89,35 +131,63 @@ class RolloutScheduler:
     async def collect(self, step: int) -> StepRollouts:
         need = self.cfg.groups_per_step
         out = StepRollouts([])
-        running: dict[asyncio.Task, Prompt] = {}
+        kept: list[tuple[int, list[Trajectory]]] = []
+        running: dict[asyncio.Task, PendingGroup] = {}
 
         def launch(count: int) -> None:
             for _ in range(count):
-                prompt = self._next_prompt()
-                if prompt is None:
+                group = self._next_group()
+                if group is None:
                     return
-                running[asyncio.create_task(self._group(prompt, step))] = prompt
+                running[asyncio.create_task(self._group(group, step, out))] = group
 
         launch(math.ceil(need * self.cfg.oversample))
         refills = 0
-        while running and len(out.groups) < need:
+        while running and len(kept) < need:
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                running.pop(task)
-                group = task.result()
-                if len(out.groups) < need and self._keep(group):
-                    out.groups.append(group)
-                elif len(out.groups) < need:
+            for task in sorted(done, key=lambda t: running[t].order):
+                group = running.pop(task)
+                self.forest.release(group.prompt.uid)
+                trajs = task.result()
+                if len(kept) < need and self._keep(trajs):
+                    kept.append((group.order, trajs))
+                elif len(kept) < need:
                     out.dropped_groups += 1
                     if refills < self.cfg.max_refills * need:
                         refills += 1
                         launch(1)
-        for task, prompt in running.items():  # enough groups: the rest waits for next step
+        for task in running:  # enough groups: the rest waits for the next step
             task.cancel()
-            self.requeued.append(prompt)
-            out.cancelled_prompts += 1
         await asyncio.gather(*running, return_exceptions=True)
+        for group in sorted(running.values(), key=lambda g: g.order):
+            if not self.cfg.partial_rollout:  # start over: forget the committed prefixes
+                self.forest.release(group.prompt.uid)
+                group.nodes = [self.forest.root(group.prompt.uid)] * len(group.nodes)
+            self.requeued.append(group)
+            out.cancelled_prompts += 1
+        out.groups = [trajs for _, trajs in sorted(kept, key=lambda x: x[0])]
         out.metrics = {"rollout/groups": len(out.groups),
                        "rollout/dropped_groups": out.dropped_groups,
-                       "rollout/cancelled_prompts": out.cancelled_prompts}
+                       "rollout/cancelled_prompts": out.cancelled_prompts,
+                       "rollout/resumed_samples": out.resumed_samples,
+                       **self.forest.metrics}
         return out
+
+    # -- checkpointing: the data cursor, the requeued groups and their committed prefixes ------
+    def state_dict(self) -> dict[str, Any]:
+        return {"started": self.started, "launched": self._launched,
+                "requeued": [{"prompt": asdict(g.prompt), "nodes": list(g.nodes)}
+                             for g in self.requeued],
+                "forest": self.forest.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict`; `prompts` must be a fresh iterator: the data cursor is
+        advanced past the `started` prompts here."""
+        for _ in range(int(state["started"]) - self.started):
+            if next(self.prompts, None) is None:
+                raise ValueError(f"the prompt source has fewer than {state['started']} prompts "
+                                 "the checkpoint had started")
+        self.started, self._launched = int(state["started"]), int(state.get("launched", 0))
+        self.forest.load_state_dict(state["forest"])
+        self.requeued = deque(PendingGroup(Prompt(**g["prompt"]), list(g["nodes"]))
+                              for g in state["requeued"])
