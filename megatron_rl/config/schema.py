@@ -231,7 +231,9 @@ class RLConfig:
     clip_ratio_high: float = bounded(0.28, ge=0.0)
     loss_agg_mode: str = bounded("token-mean", choices=("token-mean", "seq-mean-token-sum",
                                                         "seq-mean-token-mean"))
-    tis_threshold: float = bounded(2.0, ge=0.0, help="token-level truncated IS; 0 = off")
+    tis_threshold: float = bounded(2.0, ge=0.0, help="truncated IS threshold; 0 = off")
+    tis_level: str = bounded("token", choices=("token", "sequence"))
+    tis_mode: str = bounded("truncate", choices=("truncate", "mask"))
     sync_transport: str = bounded("tensor", choices=("tensor", "distributed", "disk"))
     reward_manager: str = bounded(
         "grpo", choices=("grpo", "rdpo", "rdpo_mixed", "pipeline_outcome", "end_to_end",
