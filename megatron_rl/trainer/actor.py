@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any
 
@@ -15,6 +16,15 @@ from megatron_rl.models.registry import ModelSpec, get_model_spec
 from megatron_rl.models.routing_replay import ROUTED_EXPERTS, RoutingReplay
 from megatron_rl.trainer.batch import TokenBatch
 from megatron_rl.trainer.losses import LossFn
+from megatron_rl.trainer.microbatching import (
+    MicroBatch,
+    RowPositionRoPE,
+    assemble,
+    log_once,
+    loss_inputs,
+    micro_batches,
+    packing_unsupported,
+)
 
 
 class MegatronActor:
@@ -54,6 +64,7 @@ class MegatronActor:
         self.config.no_sync_func = self.model[0].no_sync
         self.step = 0
         self.optimizer_steps = 0  # successful updates: Adam's bias-correction step
+        self._setup_micro_batching(module)
 
     # -- construction ------------------------------------------------------------------------
     def _build_optimizer(self):
@@ -77,6 +88,31 @@ class MegatronActor:
             min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay_steps,
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=decay_steps, wd_incr_style="constant")
+
+    def _setup_micro_batching(self, module) -> None:
+        """Token-budget micro-batches and packing (trainer/microbatching.py), from the config."""
+        train, parallel = self.cfg.train, self.cfg.parallel
+        budget = int(getattr(train, "max_tokens_per_microbatch", 0) or 0)
+        self.pack, self.rope = False, None
+        if getattr(train, "pack_sequences", False):
+            reason = packing_unsupported(self.spec, self.cfg)
+            if reason:
+                log_once(f"train.pack_sequences: {self.spec.name} falls back to padded rows: "
+                         f"{reason}")
+            else:
+                self.pack = True
+                budget = budget or train.micro_batch_size * self.cfg.model.seq_length
+                self.rope = RowPositionRoPE(module.rotary_pos_emb)
+        self.token_budget = budget
+        # sequence parallelism splits the sequence over TP, context parallelism in 2*CP chunks
+        self.seq_multiple = ((parallel.tp if parallel.sequence_parallel else 1)
+                             * (2 * parallel.cp if parallel.cp > 1 else 1))
+        # the allgather dispatcher all-gathers equal token counts over the EP group
+        self.uniform_shapes = parallel.ep > 1 and parallel.moe_dispatcher == "allgather"
+        # padding stays out of the MoE load-balancing loss (megatron's padding_mask); a later
+        # pipeline stage would receive it unscattered under sequence parallelism
+        self.moe_padding_mask = self.spec.is_moe and not (
+            parallel.pp > 1 and parallel.sequence_parallel)
 
     # -- steps -------------------------------------------------------------------------------
     def train_step(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -104,7 +140,9 @@ class MegatronActor:
     @torch.no_grad()
     def compute_logprobs(self, batch: TokenBatch, temperature: float = 1.0
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropy of `batch.labels` for the whole batch, on every rank."""
+        """Log-probs and entropy of `batch.labels` for the whole batch, on every rank, as
+        [rows, seq] in the batch's row order. With token-budget micro-batches positions after
+        a row's last trained target (and rows that train nothing) are not computed: 0."""
         processor = logprob_output_processor(self.spec.vocab_size, temperature,
                                              self.cfg.train.logprob_chunk_tokens)
         full = self._forward_collect(batch, processor)
@@ -125,9 +163,14 @@ class MegatronActor:
 
         for chunk in self.model:
             chunk.eval()
-        local = batch.shard(self.layout.dp_rank, self.layout.dp)
-        outputs = self._schedule(local, lambda mb, out, non_loss_data=False: out,
+        micro = self._micro_batches(batch)
+        outputs = self._schedule(micro, lambda mb, out, non_loss_data=False: out,
                                  forward_only=True, collect=True, processor=processor)
+        if self.token_budget:  # rows back in their original order and [rows, seq] places
+            full = self._from_last_stage(assemble(batch, micro, outputs) if outputs else None)
+            if self.layout.dp > 1:  # each row was computed on one DP rank, zeros elsewhere
+                dist.all_reduce(full, group=ps.get_data_parallel_group())
+            return full
         shard = self._from_last_stage(torch.cat(outputs) if outputs else None)
         gathered = [torch.empty_like(shard) for _ in range(self.layout.dp)]
         dist.all_gather(gathered, shard.contiguous(), group=ps.get_data_parallel_group())
@@ -135,9 +178,10 @@ class MegatronActor:
 
     def _forward_backward(self, batch: TokenBatch, loss_fn: LossFn, forward_only: bool
                           ) -> dict[str, float]:
-        local = batch.shard(self.layout.dp_rank, self.layout.dp)
+        micro = self._micro_batches(batch)
 
         def loss_func(mb: TokenBatch, out: torch.Tensor):
+            mb, out = loss_inputs(mb, out)  # a packed micro-batch as one sequence per row
             res = loss_fn(out[..., 0], out[..., 1], mb)
             tokens = res.num_tokens.to(torch.int)
             reported = {k: v.detach().float() for k, v in res.metrics.items()}
@@ -145,22 +189,57 @@ class MegatronActor:
             reported["num_tokens"] = tokens.float()
             return res.loss_sum, tokens, reported
 
-        per_mb = self._schedule(local, loss_func, forward_only=forward_only, collect=False)
+        per_mb = self._schedule(micro, loss_func, forward_only=forward_only, collect=False)
         return self._reduce_metrics(per_mb)
 
-    def _schedule(self, local: TokenBatch, loss_func, *, forward_only: bool, collect: bool,
-                  processor=None) -> list[Any]:
+    def _micro_batches(self, batch: TokenBatch) -> list[TokenBatch]:
+        """This DP rank's micro-batches: fixed `micro_batch_size` rows of an equal row shard,
+        or token-budget (optionally packed) micro-batches, as many on every DP rank."""
+        if not self.token_budget:
+            local = batch.shard(self.layout.dp_rank, self.layout.dp)
+            return local.micro_batches(min(self.cfg.train.micro_batch_size, local.rows))
+        return micro_batches(batch, dp=self.layout.dp, dp_rank=self.layout.dp_rank,
+                             budget=self.token_budget, multiple=self.seq_multiple,
+                             pack=self.pack, uniform=self.uniform_shapes)
+
+    @contextlib.contextmanager
+    def _model_inputs(self, mb: TokenBatch):
+        """Keyword inputs of the model call for `mb`: a packed micro-batch's block-diagonal
+        causal mask and restarting RoPE positions, the MoE padding mask; an empty (padding
+        only) micro-batch adds no router load-balancing loss."""
+        inputs: dict[str, Any] = {"attention_mask": None}
+        if not isinstance(mb, MicroBatch):
+            yield inputs
+            return
+        aux = getattr(self.config, "moe_aux_loss_coeff", None)
+        if mb.packed:
+            inputs["attention_mask"] = mb.attention_mask()
+            self.rope.positions = mb.position_ids
+        if self.moe_padding_mask and not mb.empty:
+            inputs["padding_mask"] = ~mb.valid  # True = padding
+        if mb.empty and self.spec.is_moe:  # (full activation recompute in backward would
+            self.config.moe_aux_loss_coeff = 0.0  # re-add it over its `multiple` tokens)
+        try:
+            yield inputs
+        finally:
+            if self.spec.is_moe:
+                self.config.moe_aux_loss_coeff = aux
+            if self.rope is not None:
+                self.rope.positions = None
+
+    def _schedule(self, micro: list[TokenBatch], loss_func, *, forward_only: bool,
+                  collect: bool, processor=None) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro = local.micro_batches(min(self.cfg.train.micro_batch_size, local.rows))
         processor = processor or logprob_output_processor(
             self.spec.vocab_size, 1.0, self.cfg.train.logprob_chunk_tokens)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             reroute = self.routing and self.routing.set(mb.extras.get(ROUTED_EXPERTS))
-            out = model(mb.input_ids, mb.position_ids, None, labels=mb.labels,
-                        output_processor=processor)
+            with self._model_inputs(mb) as inputs:
+                out = model(mb.input_ids, mb.position_ids, labels=mb.labels,
+                            output_processor=processor, **inputs)
             if reroute and out.requires_grad:  # recomputation in backward routes the same way
                 out.register_hook(reroute)
             return out, partial(loss_func, mb)
@@ -168,8 +247,8 @@ class MegatronActor:
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=self.model,
-                num_microbatches=len(micro), seq_length=local.seq_length,
-                micro_batch_size=micro[0].rows, forward_only=forward_only,
+                num_microbatches=len(micro), seq_length=max(m.seq_length for m in micro),
+                micro_batch_size=max(m.rows for m in micro), forward_only=forward_only,
                 collect_non_loss_data=collect)
         finally:
             if self.routing:

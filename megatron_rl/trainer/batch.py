@@ -54,8 +54,9 @@ class TokenBatch:
     def seq_length(self) -> int:
         return self.input_ids.shape[1]
 
-    def select(self, rows: slice) -> TokenBatch:
-        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extras"}
+    def select(self, rows: slice | torch.Tensor) -> TokenBatch:
+        """These rows (a plain TokenBatch, also when called on a subclass)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(TokenBatch) if f.name != "extras"}
         kw = {k: v[rows] for k, v in kw.items()}
         return TokenBatch(**kw, extras={k: v[rows] for k, v in self.extras.items()})
 

@@ -1,0 +1,114 @@
+"""Fixed micro-batches vs token-budget micro-batches vs sequence packing, one run, same batch.
+
+A global batch of sequences with heavy-tailed lengths (log-normal: median `--median` tokens,
+sigma `--sigma`, clipped to [16, --seq]), like agentic rollouts where a few trajectories run
+long. Each mode trains the same model from the same seed on it (lm loss over every token) and
+reports the median train-step time, the micro-batches it ran and the share of the model's input
+positions that were padding. The fixed mode pads every row to `--seq` in micro-batches of
+`--micro` rows; the other two use a budget of micro × seq tokens per micro-batch.
+
+    python benchmarks/microbatching.py [--model tiny-moe --rows 32 --seq 1024 --median 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+
+def lengths(n: int, median: int, sigma: float, longest: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [min(longest, max(16, round(rng.lognormvariate(0, sigma) * median)))
+            for _ in range(n)]
+
+
+def make_batch(lens: list[int], seq: int, vocab: int):
+    from megatron_rl.trainer.batch import TokenBatch
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.zeros(len(lens), seq + 1, dtype=torch.long)
+    mask = torch.zeros(len(lens), seq + 1)
+    for i, n in enumerate(lens):
+        tokens[i, :n] = torch.randint(1, vocab, (n,), generator=g)
+        mask[i, 1:n] = 1.0  # every target of the sequence
+    return TokenBatch.from_sequences(tokens, mask)
+
+
+def run_mode(name: str, overrides: list[str], batch, warmup: int, steps: int) -> dict:
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.trainer.actor import MegatronActor
+    from megatron_rl.trainer.losses import lm_loss
+    from megatron_rl.trainer.microbatching import MicroBatch, effective_lengths
+
+    actor = MegatronActor(load_config(None, overrides))
+    micro = actor._micro_batches(batch)
+    positions = sum(mb.input_ids.numel() for mb in micro)
+    if all(isinstance(mb, MicroBatch) for mb in micro):
+        real = sum(int(mb.valid.sum()) for mb in micro)
+    else:  # fixed rows: everything past a row's last trained token is padding
+        real = int(effective_lengths(batch).sum())
+    times, losses = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        losses.append(actor.train_step(batch, lm_loss)["loss"])
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {"mode": name, "micro": len(micro), "positions": positions,
+            "padding": 1 - real / positions, "step_s": statistics.median(times),
+            "tokens_per_s": real / statistics.median(times), "loss": losses[0]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny-moe")
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--seq", type=int, default=1024, help="model.seq_length (the longest row)")
+    p.add_argument("--micro", type=int, default=2, help="rows per fixed micro-batch")
+    p.add_argument("--median", type=int, default=96)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+
+    from megatron_rl.utils.logs import quiet_libraries
+
+    quiet_libraries()
+    from megatron_rl.distributed.process_groups import init_distributed
+    from megatron_rl.models.registry import get_model_spec
+
+    torch.set_num_threads(a.threads)
+    init_distributed("gloo")
+    lens = lengths(a.rows, a.median, a.sigma, a.seq, seed=0)
+    batch = make_batch(lens, a.seq, get_model_spec(a.model).vocab_size)
+    budget = a.micro * a.seq
+    base = [f"model.name={a.model}", f"model.seq_length={a.seq}",
+            f"train.global_batch_size={a.rows}", f"train.micro_batch_size={a.micro}",
+            "optim.lr=1e-4", "train.seed=1"]
+    modes = [("fixed", []),
+             ("token-budget", [f"train.max_tokens_per_microbatch={budget}"]),
+             ("packed", [f"train.max_tokens_per_microbatch={budget}",
+                         "train.pack_sequences=true"])]
+    srt = sorted(lens)
+    print(f"{a.model}, {a.rows} sequences, log-normal lengths (median {a.median}, sigma "
+          f"{a.sigma}, clipped to [16, {a.seq}]): min {srt[0]}, p50 {srt[len(srt) // 2]}, "
+          f"p90 {srt[int(len(srt) * 0.9)]}, max {srt[-1]}, total {sum(lens)} tokens; "
+          f"fixed: {a.micro} rows x {a.seq}; budget: {budget} tokens per micro-batch; "
+          f"{a.threads} threads, median of {a.steps} steps")
+    rows = [run_mode(name, base + ov, batch, a.warmup, a.steps) for name, ov in modes]
+    print(f"{'mode':>13s} {'micro-batches':>13s} {'positions':>9s} {'padding':>8s} "
+          f"{'step s':>7s} {'real tok/s':>10s} {'loss':>8s}")
+    for r in rows:
+        print(f"{r['mode']:>13s} {r['micro']:13d} {r['positions']:9d} {r['padding']:8.1%} "
+              f"{r['step_s']:7.2f} {r['tokens_per_s']:10.0f} {r['loss']:8.4f}")
+    fixed = rows[0]["step_s"]
+    print("speed-up vs fixed: " + ", ".join(f"{r['mode']} {fixed / r['step_s']:.2f}x"
+                                            for r in rows[1:]))
+
+
+if __name__ == "__main__":
+    main()
