@@ -31,7 +31,8 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],
         "sglang": ["sglang==0.5.23", "sglang-router"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "py-spy"],
+        "tracking": ["tensorboard", "wandb"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "py-spy", "tensorboard"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

@@ -91,6 +91,23 @@ def _tokenizer(cfg: EvalConfig) -> Any:
     return tiny_qwen3_tokenizer(vocab_size=2048)  # byte-level: any text round-trips
 
 
+async def evaluate_prompts(agent: Any, engine: Any, judge: Any, prompts: list[Any],
+                           prefix: str = "eval") -> dict[str, float]:
+    """The agent once on each held-out prompt (as configured, e.g. greedy), judged; the
+    taxonomy metrics under `prefix/` (pass rate, turns, lengths, abnormal rates)."""
+    from megatron_rl.rewards.composite import judge_trajectory
+    from megatron_rl.rewards.taxonomy import taxonomy_metrics
+
+    async def one(p: Any):
+        traj = await agent.run(p.question, p.answer, engine, group_id=p.uid, uid=p.uid)
+        await judge_trajectory(traj, judge)
+        return traj
+
+    trajs = await asyncio.gather(*(one(p) for p in prompts))
+    return {f"{prefix}/{k.split('/', 1)[-1]}": v for k, v in taxonomy_metrics(trajs).items()
+            if k.startswith(("rollout/", "reward/"))}
+
+
 async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     from tqdm import tqdm
 

@@ -1,11 +1,14 @@
 """`megatron-rl train RECIPE [overrides]`: the RL loop, top-down.
 
-rollout (agent × engine × tools) → judge → group advantages → Megatron update → weight sync.
+rollout (agent × engine × tools) → judge → per-turn advantages → Megatron update → weight sync.
 
 The driver process owns the rollout side: the generated world and its search index (the
-embedded default), the engine, the agent, the judge and the scheduler. The trainer ranks (a
-local gloo worker pool, or torchrun) own the Megatron actor (`trainer/remote.py`) and push their
-weights into the engine after every update, stamped with the step as the weight version.
+embedded default), the engine, the agent, the judge and the scheduler with its rollout forest.
+The trainer ranks (a local gloo worker pool, or torchrun) own the Megatron actor
+(`trainer/remote.py`) and push their weights into the engine after every update, stamped with
+the step as the weight version. A checkpoint holds both sides: the actor's model, optimizer and
+RNG, and the driver's data cursor, requeued groups, forest and entropy controller, so a killed
+run resumes where its last checkpoint was.
 """
 
 from __future__ import annotations
@@ -18,131 +21,107 @@ from typing import Any
 
 from megatron_rl.config.schema import Config
 
-
-def _prompts(cfg: Config, folder: Path):
-    """The embedded default's questions over its generated world, cycled; and the index."""
-    from megatron_rl.data.world import build_world_index, generate_world
-    from megatron_rl.rollout.scheduler import Prompt
-
-    world = generate_world(num_docs=cfg.rl.world_docs, seed=cfg.train.seed)
-    where = folder / f"world-{cfg.rl.world_docs}-{cfg.train.seed}"  # deterministic: reusable
-    index = where / "index" if (where / "index").is_dir() else build_world_index(world, where)
-    questions = world.questions(64, seed=cfg.train.seed)
-
-    def cycle():
-        for epoch in range(1 << 30):
-            for i, q in enumerate(questions):
-                yield Prompt(q.question, q.answer, f"q{i}.e{epoch}")
-    return cycle(), index
+CONSOLE = ("reward/outcome_mean", "rollout/pass_rate", "loss", "grad_norm", "entropy",
+           "time/rollout", "eval/pass_rate")
+CURVES = ("reward/outcome_mean", "rollout/pass_rate", "eval/pass_rate", "loss", "grad_norm",
+          "entropy", "mismatch/train_rollout_logprob_abs_diff", "rollout/turns_mean",
+          "time/step")
 
 
-def _agent(cfg: Config, tokenizer: Any, index: Path):
-    from megatron_rl.agents import AgentConfig, IterSynthAgent, ReActAgent
-    from megatron_rl.env.search import LocalSearch
-    from megatron_rl.env.visit import LocalPages, Visit
-    from megatron_rl.rollout.engines.base import SamplingParams
-
-    rl = cfg.rl
-    config = AgentConfig(max_turns=rl.max_turns, max_context_tokens=cfg.model.seq_length,
-                         sampling=SamplingParams(temperature=rl.temperature,
-                                                 max_new_tokens=rl.max_new_tokens))
-    cls = {"react": ReActAgent, "itersynth": IterSynthAgent}[rl.agent]
-    return cls(tokenizer, [LocalSearch(index), Visit(LocalPages(index))], config)
-
-
-def _batch(rollouts: Any, cfg: Config, rows_multiple: int):
-    from megatron_rl.algorithms.advantages import trajectory_advantages
-    from megatron_rl.algorithms.rdpo import token_advantages
-    from megatron_rl.rollout.batching import build_batch
-
-    trajs = rollouts.trajectories
-    adv = trajectory_advantages(trajs, estimator=cfg.rl.estimator)
-    seqs, per_token = [], []
-    for traj, a, trained in zip(trajs, adv.advantages, adv.in_loss, strict=True):
-        for seq in traj.sequences():
-            seqs.append(seq)
-            per_token.append(token_advantages([seq], [a if trained else None] *
-                                              len(traj.turns))[0])
-    if not seqs:  # e.g. every prompt overflowed the context: nothing was generated
-        return None, adv.metrics
-    return build_batch(seqs, per_token, seq_length=cfg.model.seq_length, pad_id=0,
-                       rows_multiple=rows_multiple), adv.metrics
-
-
-async def _collect(scheduler: Any, engine: Any, step: int) -> Any:
+async def _with_engine(engine: Any, work: Any) -> Any:
     try:
-        return await scheduler.collect(step)
+        return await work
     finally:
-        await engine.close()  # its HTTP session belongs to this step's event loop
+        await engine.close()  # its HTTP session belongs to this event loop
+
+
+def _dump(path: Path, step: int, trajectories: list[Any]) -> None:
+    """The trajectories step `step` (1-based, as in metrics.jsonl) trained on, as JSONL
+    (routing left out: it is per token per layer)."""
+    with path.open("a") as f:
+        for t in trajectories:
+            row = t.to_dict()
+            for turn in row["turns"]:
+                turn.pop("routed_experts", None)
+            f.write(json.dumps({"step": step, **row}) + "\n")
 
 
 def train(cfg: Config, pool: Any) -> list[dict[str, Any]]:
     """The loop; `pool.run(fn, *args)` runs `fn` on every trainer rank."""
-    import transformers
-
     from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
+    from megatron_rl.algorithms.entropy import EntropyPIController
+    from megatron_rl.evaluation import evaluate_prompts
     from megatron_rl.models.registry import get_model_spec
     from megatron_rl.rewards.rule import RuleJudge
     from megatron_rl.rewards.taxonomy import taxonomy_metrics
-    from megatron_rl.rollout.engines.embedded import EmbeddedServer
+    from megatron_rl.rl_setup import build_agent, start_engine, world_prompts
+    from megatron_rl.rollout.batching import rl_batch
     from megatron_rl.rollout.engines.http_client import HttpEngine
     from megatron_rl.rollout.scheduler import RolloutScheduler, SchedulerConfig
     from megatron_rl.trainer import remote
-    from megatron_rl.utils.metrics import MetricsLogger
+    from megatron_rl.utils.metrics import MetricsLogger, truncate_jsonl
 
-    out = Path(cfg.train.output_dir)
+    rl, out = cfg.rl, Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     spec = get_model_spec(cfg.model.name)
     tokenizer = tiny_qwen3_tokenizer(vocab_size=spec.vocab_size)
-    prompts, index = _prompts(cfg, out)
+    prompts, held_out, index = world_prompts(cfg, out)
     info = pool.run(remote.init, cfg)[0]
-    start = int(info["progress"].get("step", 0))
-    # the engine starts from random weights of the same architecture; the first sync
-    # (version = the step) replaces them with the trainer's
-    engine_model = transformers.AutoModelForCausalLM.from_config(spec.hf_config())
-    server = EmbeddedServer(engine_model, tokenizer).start()
+    progress, start = info["progress"], int(info["progress"].get("step", 0))
+    server = start_engine(cfg, spec, tokenizer)
     pool.run(remote.connect, [server.url])
     pool.run(remote.sync, start)
-    engine = HttpEngine(server.url)
+    engine, judge = HttpEngine(server.url), RuleJudge()
     scheduler = RolloutScheduler(
-        _agent(cfg, tokenizer, index), engine, RuleJudge(), prompts,
-        SchedulerConfig(samples_per_prompt=cfg.rl.samples_per_prompt,
-                        groups_per_step=cfg.rl.groups_per_step, oversample=cfg.rl.oversample,
-                        dynamic_sampling=cfg.rl.dynamic_sampling))
-    for _ in range(int(info["progress"].get("prompts_started", 0))):  # the data cursor
-        next(prompts)
-    scheduler.started = int(info["progress"].get("prompts_started", 0))
-    logger = MetricsLogger(out, resume=start > 0)
-    if start == 0:
-        (out / "trajectories.jsonl").unlink(missing_ok=True)
+        build_agent(cfg, tokenizer, index), engine, judge, prompts,
+        SchedulerConfig(samples_per_prompt=rl.samples_per_prompt,
+                        groups_per_step=rl.groups_per_step, oversample=rl.oversample,
+                        dynamic_sampling=rl.dynamic_sampling, partial_rollout=rl.partial_rollout))
+    entropy = EntropyPIController(rl.entropy_target, rl.entropy_kp, rl.entropy_ki,
+                                  init_coef=rl.entropy_coef) if rl.entropy_target else None
+    if progress.get("rollout"):
+        scheduler.load_state_dict(progress["rollout"])
+    if entropy and progress.get("entropy_control"):
+        entropy.load_state_dict(progress["entropy_control"])
+    coef = entropy.coef if entropy and entropy.coef is not None else rl.entropy_coef
+    logger = MetricsLogger(out, resume_from=start or None, sinks=rl.loggers)
+    truncate_jsonl(out / "trajectories.jsonl", start or None)
     rows = []
     try:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
-            rollouts = asyncio.run(_collect(scheduler, engine, step))
+            rollouts = asyncio.run(_with_engine(engine, scheduler.collect(step)))
+            trajs = rollouts.trajectories
+            metrics = {**rollouts.metrics, **taxonomy_metrics(trajs)}
             t1 = time.perf_counter()
-            batch, adv_metrics = _batch(rollouts, cfg, info["dp"] * cfg.train.micro_batch_size)
-            metrics = pool.run(remote.update, batch)[0] if batch else {"skipped": 1.0}
+            batch, adv_metrics = rl_batch(trajs, rl, seq_length=cfg.model.seq_length,
+                                          rows_multiple=info["dp"] * cfg.train.micro_batch_size)
+            metrics.update(adv_metrics)
+            metrics.update(pool.run(remote.update, batch, coef)[0] if batch else {"skipped": 1.0})
             t2 = time.perf_counter()
             metrics.update(pool.run(remote.sync, step + 1)[0])
             t3 = time.perf_counter()
-            trajs = rollouts.trajectories
-            metrics.update(**rollouts.metrics, **adv_metrics, **taxonomy_metrics(trajs),
-                           **{"time/rollout": t1 - t0, "time/train": t2 - t1,
-                              "time/sync": t3 - t2,
-                              "batch/sequences": float(batch.rows if batch else 0)})
-            with (out / "trajectories.jsonl").open("a") as f:
-                for t in trajs:
-                    f.write(json.dumps({"step": step, **t.to_dict()}) + "\n")
-            logger.log(step + 1, metrics,
-                       console_keys=("reward/outcome_mean", "rollout/pass_rate", "loss",
-                                     "grad_norm", "time/rollout"))
+            if entropy is not None and "entropy" in metrics:
+                coef = entropy.update(metrics["entropy"])
+            if rl.eval_every and (step + 1) % rl.eval_every == 0:
+                greedy = build_agent(cfg, tokenizer, index, greedy=True)
+                metrics.update(asyncio.run(_with_engine(
+                    engine, evaluate_prompts(greedy, engine, judge, held_out))))
+            metrics.update({"entropy_coef": coef, "time/rollout": t1 - t0,
+                            "time/train": t2 - t1, "time/sync": t3 - t2,
+                            "time/step": time.perf_counter() - t0,
+                            "batch/sequences": float(batch.rows if batch else 0)})
+            _dump(out / "trajectories.jsonl", step + 1, trajs)
+            logger.log(step + 1, metrics, console_keys=CONSOLE)
             rows.append(metrics)
             if cfg.checkpoint.dir and cfg.checkpoint.save_every and \
                     (step + 1) % cfg.checkpoint.save_every == 0:
-                pool.run(remote.save, {"prompts_started": scheduler.started})
-        logger.plot(("reward/outcome_mean", "loss", "grad_norm"), "rl_curves.png")
+                pool.run(remote.save, {
+                    "rollout": scheduler.state_dict(),
+                    "entropy_control": entropy.state_dict() if entropy else None})
+        logger.plot(CURVES, "rl_curves.png")
     finally:
+        logger.close()
         pool.run(remote.close)
         server.stop()
     return rows

@@ -96,11 +96,11 @@ def test_react_episodes_over_http_chain_token_exactly(server) -> None:
             assert traj.turns[k].tool_calls[0].observation.startswith("Paris\n")
             assert len(traj.turns) > k + 1 and TOK.decode(traj.turns[k + 1].context_ids).endswith(
                 "</tool_response><|im_end|>\n<|im_start|>assistant\n")
-        # at most max_continuations resumes of one message, then `overlong`
+        # at most max_continuations resumes of one message, then `response_too_long`
         runs = "".join("L" if t.finish_reason == "length" else "." for t in traj.turns)
         assert "LLLLL" not in runs
         if "LLLL" in runs:
-            assert "overlong" in traj.labels
+            assert "response_too_long" in traj.labels
 
 
 def test_itersynth_episode_with_a_real_synthesizer(server) -> None:

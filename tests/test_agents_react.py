@@ -182,7 +182,7 @@ def test_overlong_context_ends_the_episode_before_the_engine_is_asked() -> None:
     assert engine.requests[-1].input_ids == engine.requests[0].input_ids
 
 
-def test_cut_outputs_are_continued_in_place_then_labelled_overlong() -> None:
+def test_cut_outputs_are_continued_in_place_then_labelled_too_long() -> None:
     long_call = "<think>" + "let me think about where to look " * 6 + "</think>" + call(
         "search", query="capital")
     third = SamplingParams(max_new_tokens=(len(TOK.encode(long_call)) + 1) // 3 + 1)
@@ -194,7 +194,8 @@ def test_cut_outputs_are_continued_in_place_then_labelled_overlong() -> None:
         "query": "capital"}
     assert_chained(traj, engine)  # continuations merge into the one sequence
     traj, _ = episode([long_call, ANSWER], sampling=third, max_continuations=1)
-    assert traj.labels == ["overlong"] and len(traj.turns) == 2
+    assert traj.labels == ["response_too_long"] and len(traj.turns) == 2
+    assert traj.model_failure and not traj.env_failure  # the policy's fault: kept, reward 0
 
 
 def test_degenerate_output_is_labelled() -> None:

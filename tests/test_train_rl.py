@@ -1,9 +1,15 @@
 """`megatron-rl train`: the RL loop end to end on CPU (tiny MoE, embedded engine, generated
-world with a real index, ReAct agent, rule judge), at 1 and 2 trainer ranks, and resumed."""
+world with a real index, rule judge), at 1 and 2 trainer ranks, with every switch of the loop
+on, and killed with SIGKILL then resumed to a bit-identical next step."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -22,28 +28,96 @@ def _run(tmp_path, nproc, extra=()):
     return train(cfg, get_pool(nproc))
 
 
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_rl_loop_runs_and_records_everything(nproc, tmp_path):
     rows = _run(tmp_path, nproc)
     assert len(rows) == 2
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = _lines(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in lines] == [1, 2]
-    for key in ("rollout/pass_rate", "time/rollout", "time/train", "sync/seconds",
-                "abnormal/env_failure_rate", "rollout/groups", "batch/sequences"):
+    for key in ("rollout/pass_rate", "time/rollout", "time/train", "time/sync", "time/judge",
+                "sync/seconds", "abnormal/env_failure_rate", "rollout/groups",
+                "batch/sequences", "reward/agent_mean", "adv/excluded_fraction", "entropy",
+                "mismatch/train_rollout_logprob_abs_diff", "mismatch/rollout_is_mean",
+                "grad_norm", "loss"):
         assert key in lines[-1], key
-    trajs = [json.loads(x) for x in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    trajs = _lines(tmp_path / "trajectories.jsonl")
     assert len(trajs) == 2 * 2 * 2  # steps × groups × samples
-    # every token generated at step s came from the weights synced after step s (version s)
+    # every token trained at step s came from the weights synced before it (version s - 1)
     for t in trajs:
         versions = {v for turn in t["turns"] for v in turn["weight_versions"]}
-        assert versions == {t["step"]}, (t["step"], versions)
+        assert versions == {t["step"] - 1}, (t["step"], versions)
     assert (tmp_path / "rl_curves.png").is_file()
     assert (tmp_path / "ckpt" / "step_000002").is_dir()
 
 
-def test_resume_continues_from_the_checkpoint(tmp_path):
-    _run(tmp_path, 1)
-    rows = _run(tmp_path, 1, ["train.steps=3", "checkpoint.load=latest"])
-    assert len(rows) == 1  # only step 3 ran
-    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+def test_every_switch_of_the_loop_at_two_ranks(tmp_path):
+    """IterSynth + RDPO, partial rollout with over-sampling, GSPO ratio with KL to the initial
+    policy, EntroPIC, routing replay, packed token-budget micro-batches, overlong penalty,
+    held-out eval and a TensorBoard sink, at EP2."""
+    rows = _run(tmp_path, 2, [
+        "rl.agent=itersynth", "rl.reward_manager=rdpo", "rl.partial_rollout=true",
+        "rl.oversample=2.0", "rl.ratio_level=sequence", "rl.kl_coef=0.1",
+        "rl.entropy_target=9.0", "rl.entropy_kp=0.01", "rl.entropy_ki=0.001",
+        "rl.routing_replay=true", "train.max_tokens_per_microbatch=2048",
+        "train.pack_sequences=true", "rl.overlong_buffer=8", "rl.eval_every=2",
+        "rl.eval_prompts=2", "rl.loggers=[tensorboard]"])
+    assert len(rows) == 2
+    first, last = rows
+    for key in ("reward/planner_mean", "kl", "entropy_coef", "rollout/resumed_samples",
+                "forest/nodes", "rollout/stale_token_fraction"):
+        assert key in first, key
+    assert last["eval/trajectories"] == 2 and "eval/pass_rate" in last
+    assert "eval/pass_rate" not in first
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 is at the initial policy
+    # EntroPIC: entropy below the target raises the bonus from its initial 0
+    assert first["entropy"] < 9.0 and first["entropy_coef"] > 0
+    assert first["rollout/cancelled_prompts"] >= 1  # over-sampled groups were cut
+    trajs = _lines(tmp_path / "trajectories.jsonl")
+    assert {turn["role"] for t in trajs for turn in t["turns"]} >= {"planner"}
+    assert all("routed_experts" not in turn for t in trajs for turn in t["turns"])
+    assert any(p.name.startswith("events.out.tfevents")
+               for p in (tmp_path / "tensorboard").iterdir())
+
+
+def test_sigkill_then_resume_gives_a_bit_identical_next_step(tmp_path):
+    """A run killed (SIGKILL, whole process group) during step 3 resumes from its step-2
+    checkpoint; step 3's numbers equal an uninterrupted run's exactly."""
+    args = [*BASE, "train.steps=3", "checkpoint.save_every=1", "parallel.ep=1",
+            "rollout.max_batch_size=1",  # one request at a time: batch-independent numerics
+            "rl.entropy_coef=0.01"]  # a random policy earns no reward: train on entropy
+
+    def cli(out, *extra, wait=True):
+        cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "tiny-moe-rl-cpu", *args,
+               f"train.output_dir={out}", f"checkpoint.dir={out}/ckpt", *extra]
+        proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        if wait:
+            log, _ = proc.communicate(timeout=600)
+            assert proc.returncode == 0, log[-3000:]
+        return proc
+
+    cli(tmp_path / "straight")
+    proc = cli(tmp_path / "killed", wait=False)
+    deadline = time.time() + 600
+    while not (tmp_path / "killed" / "ckpt" / "step_000002").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "run ended before step 2 saved"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed" / "ckpt" / "step_000003").exists()
+    cli(tmp_path / "killed", "checkpoint.load=latest")
+
+    straight = _lines(tmp_path / "straight" / "metrics.jsonl")
+    resumed = _lines(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    timing = ("time/", "sync/")
+    same = {k: v for k, v in straight[2].items() if not k.startswith(timing)}
+    assert {k: v for k, v in resumed[2].items() if not k.startswith(timing)} == same
+    assert same["loss"] != 0.0 and same["num_tokens"] > 0
+    steps = [json.loads(x)["step"] for x in
+             (tmp_path / "killed" / "trajectories.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps.count(3) == 4  # no duplicate step-3 dump

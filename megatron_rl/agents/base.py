@@ -187,7 +187,7 @@ class BaseAgent:
             else:
                 cuts += 1
                 if cuts > cfg.max_continuations:  # longer than any response may be
-                    traj.add_label("overlong", turn)
+                    traj.add_label("response_too_long", turn)
                     return Message(turns, out, text, True)
             context = context + list(res.output_ids)
 

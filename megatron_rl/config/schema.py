@@ -75,7 +75,8 @@ class TrainConfig:
         0, ge=0, help="token budget of a micro-batch per rank (dynamic batch size); 0 = "
         "fixed micro_batch_size rows")
     pack_sequences: bool = bounded(False, help="pack sequences into rows where the layers "
-                                   "support it (needs max_tokens_per_microbatch)")
+                                   "support it; budget: max_tokens_per_microbatch, else "
+                                   "micro_batch_size x seq_length")
     output_dir: str = bounded("runs/default", help="metrics.jsonl and plots go here")
 
 

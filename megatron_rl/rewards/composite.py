@@ -35,8 +35,8 @@ log = logging.getLogger("megatron_rl.rewards")
 
 
 def is_truncated(traj: Trajectory) -> bool:
-    return "overlong" in traj.labels or bool(traj.turns and
-                                             traj.turns[-1].finish_reason == "length")
+    cut = traj.turns and traj.turns[-1].finish_reason == "length"
+    return bool({"overlong", "response_too_long"} & set(traj.labels) or cut)
 
 
 def final_answer(traj: Trajectory) -> str | None:

@@ -12,13 +12,14 @@ rows, which add nothing to a loss sum nor to its token or sequence count.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from megatron_rl.algorithms.policy_loss import ADVANTAGES
 from megatron_rl.algorithms.rdpo import SequenceAdvantages
 from megatron_rl.models.routing_replay import NOT_ROUTED, ROUTED_EXPERTS
-from megatron_rl.rollout.trajectory import TrainingSequence
+from megatron_rl.rollout.trajectory import TrainingSequence, Trajectory
 from megatron_rl.trainer.batch import TokenBatch
 
 ROLLOUT_LOGPROBS = "rollout_logprobs"
@@ -67,3 +68,42 @@ def routed_experts(sequences: Sequence[TrainingSequence], rows: int, width: int)
         if have:
             out[i, have] = torch.tensor([seq.routed_experts[t] for t in have])
     return out
+
+
+def rl_batch(trajectories: Sequence[Trajectory], rl: Any, *, seq_length: int,
+             rows_multiple: int) -> tuple[TokenBatch | None, dict[str, float]]:
+    """A step's trajectories → per-turn advantages (`rl.reward_manager`) → the trainer's batch;
+    None when no sequence was generated (e.g. every prompt overflowed the context).
+
+    With `rl.overlong_buffer`, DAPO's soft overlong penalty (on the trajectory's generated
+    tokens, against the budget max_turns × max_new_tokens) is added to the outcome reward
+    first; `rewards["overlong_penalty"]` records it."""
+    from megatron_rl.algorithms.policy_loss import overlong_penalty
+    from megatron_rl.algorithms.rdpo import token_advantages
+    from megatron_rl.algorithms.reward_managers import turn_advantages
+
+    if rl.overlong_buffer:
+        budget = rl.max_turns * rl.max_new_tokens
+        for t in trajectories:
+            if "outcome" in t.rewards:
+                length = sum(len(turn.output_ids) for turn in t.turns)
+                penalty = overlong_penalty(length, budget, min(rl.overlong_buffer, budget))
+                t.rewards["overlong_penalty"] = penalty
+                t.rewards["outcome"] += penalty
+    per_turn, metrics = turn_advantages(
+        rl.reward_manager, trajectories, estimator=rl.estimator,
+        exclude_max_turns_from_loss=rl.exclude_max_turns_from_loss,
+        rubric_weight=rl.rubric_weight)
+    seqs, per_token = [], []
+    for traj, advantages in zip(trajectories, per_turn, strict=True):
+        for seq in traj.sequences():
+            seqs.append(seq)
+            per_token.append(token_advantages([seq], advantages)[0])
+    stale = [v for s in seqs for v, m in zip(s.weight_versions, s.loss_mask, strict=True) if m]
+    if stale:
+        newest = max(stale)
+        metrics["rollout/stale_token_fraction"] = sum(v < newest for v in stale) / len(stale)
+    if not seqs:
+        return None, metrics
+    return build_batch(seqs, per_token, seq_length=seq_length, pad_id=0,
+                       rows_multiple=rows_multiple), metrics

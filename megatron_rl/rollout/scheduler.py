@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -56,6 +57,7 @@ class StepRollouts:
     dropped_groups: int = 0        # zero-variance (or all-excluded) groups
     cancelled_prompts: int = 0     # still running when the step had enough; requeued
     resumed_samples: int = 0       # sessions continued from a committed prefix
+    judge_seconds: float = 0.0     # summed over groups (they are judged concurrently)
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -118,7 +120,9 @@ class RolloutScheduler:
                      ) -> list[Trajectory]:
         trajs = await asyncio.gather(*(self._sample(group, i, step, out)
                                        for i in range(len(group.nodes))))
+        t0 = time.perf_counter()
         await score_group(list(trajs), self.judge)
+        out.judge_seconds += time.perf_counter() - t0
         return list(trajs)
 
     def _keep(self, group: list[Trajectory]) -> bool:
@@ -170,6 +174,7 @@ class RolloutScheduler:
                        "rollout/dropped_groups": out.dropped_groups,
                        "rollout/cancelled_prompts": out.cancelled_prompts,
                        "rollout/resumed_samples": out.resumed_samples,
+                       "time/judge": out.judge_seconds,
                        **self.forest.metrics}
         return out
 

@@ -14,7 +14,8 @@ MoE layer. A sequence takes each token's routing from the latest turn that fed i
 
 Labels classify what went wrong (the abnormal-trajectory taxonomy): environment failures are the
 environment's fault (the RL loss leaves them out), model failures are the policy's (they keep
-their reward).
+their reward). A context that overflows (`overlong`: mostly long observations) is charged to the
+environment; a single response longer than any may be (`response_too_long`) to the policy.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any
 # environment's fault: excluded from the loss and from group statistics
 ENV_FAILURES = ("search_error", "visit_error", "summarizer_error", "judge_error", "overlong")
 # the policy's fault: kept, with their reward
-MODEL_FAILURES = ("degenerate", "tool_parse_error", "max_turns", "excess_tool_calls")
+MODEL_FAILURES = ("degenerate", "tool_parse_error", "max_turns", "excess_tool_calls",
+                  "response_too_long")
 LABELS = ENV_FAILURES + MODEL_FAILURES
 
 

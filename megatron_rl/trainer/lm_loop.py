@@ -32,7 +32,7 @@ def run_lm_training(cfg: Config, stop_after: int | None = None) -> list[dict[str
     if load:
         cursor = load_checkpoint(actor, load, verify=cfg.checkpoint.verify).get("cursor", 0)
     logger = MetricsLogger(cfg.train.output_dir, enabled=dist.get_rank() == 0,
-                           resume=actor.step > 0)
+                           resume_from=actor.step if actor.step > 0 else None)
     rows = []
     while actor.step < cfg.train.steps:
         t0 = time.time()

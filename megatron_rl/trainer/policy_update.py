@@ -12,6 +12,7 @@ from typing import Any
 from megatron_rl.algorithms.policy_loss import (
     IS_WEIGHTS,
     OLD_LOGPROBS,
+    REF_LOGPROBS,
     PolicyLossConfig,
     make_policy_loss_fn,
 )
@@ -21,8 +22,10 @@ from megatron_rl.trainer.batch import TokenBatch
 
 
 def policy_update(actor: Any, batch: TokenBatch, loss: PolicyLossConfig,
-                  tis: TISConfig | None = None) -> dict[str, float]:
-    """Old log-probs, TIS weights (when `tis`), then one optimizer step of the policy loss.
+                  tis: TISConfig | None = None, reference: Any = None) -> dict[str, float]:
+    """Old log-probs, TIS weights (when `tis`), reference log-probs (when `loss.kl_coef`,
+    from `reference`, a `trainer.reference.ReferencePolicy`), then one optimizer step of the
+    policy loss.
     Returns the step's metrics (loss, grad norm, the loss's own metrics, mismatch metrics).
 
     A batch with no trained token (every trajectory excluded, e.g. all environment failures)
@@ -35,6 +38,10 @@ def policy_update(actor: Any, batch: TokenBatch, loss: PolicyLossConfig,
     old, _ = actor.compute_logprobs(batch)
     batch.extras[OLD_LOGPROBS] = old.detach()
     metrics: dict[str, float] = {}
+    if loss.kl_coef:
+        if reference is None:
+            raise ValueError("kl_coef > 0 needs a reference policy")
+        batch.extras[REF_LOGPROBS] = reference.logprobs(actor, batch)
     if tis is not None:
         result = rollout_is_weights(old, batch.extras[ROLLOUT_LOGPROBS], batch.loss_mask, tis)
         batch.extras[IS_WEIGHTS] = result.weights

@@ -14,6 +14,10 @@ def init(cfg: Any) -> dict[str, Any]:
     from megatron_rl.trainer.actor import MegatronActor
 
     actor = MegatronActor(cfg)
+    if cfg.rl.kl_coef:  # the run's initial policy, also when resuming (taken before loading)
+        from megatron_rl.trainer.reference import ReferencePolicy
+
+        _STATE["reference"] = ReferencePolicy(actor)
     progress: dict[str, Any] = {"step": 0}
     if cfg.checkpoint.load:
         ref = cfg.checkpoint.load
@@ -42,16 +46,19 @@ def sync(version: int) -> dict[str, float]:
             "sync/mb": stats.bytes / 1e6}
 
 
-def update(batch: Any) -> dict[str, float]:
+def update(batch: Any, entropy_coef: float) -> dict[str, float]:
+    """One policy update; `entropy_coef` comes from the driver (EntroPIC may move it)."""
     from megatron_rl.algorithms.policy_loss import PolicyLossConfig
     from megatron_rl.algorithms.tis import TISConfig
     from megatron_rl.trainer.policy_update import policy_update
 
     rl = _STATE["cfg"].rl
-    loss = PolicyLossConfig(clip_ratio_low=rl.clip_ratio_low, clip_ratio_high=rl.clip_ratio_high,
-                            loss_agg_mode=rl.loss_agg_mode)
-    tis = TISConfig(threshold=rl.tis_threshold) if rl.tis_threshold > 0 else None
-    return policy_update(_STATE["actor"], batch, loss, tis)
+    loss = PolicyLossConfig(ratio_level=rl.ratio_level, clip_ratio_low=rl.clip_ratio_low,
+                            clip_ratio_high=rl.clip_ratio_high, loss_agg_mode=rl.loss_agg_mode,
+                            kl_coef=rl.kl_coef, entropy_coef=entropy_coef)
+    tis = TISConfig(level=rl.tis_level, mode=rl.tis_mode, threshold=rl.tis_threshold) \
+        if rl.tis_threshold > 0 else None
+    return policy_update(_STATE["actor"], batch, loss, tis, _STATE.get("reference"))
 
 
 def save(progress: dict[str, Any]) -> None:

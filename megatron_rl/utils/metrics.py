@@ -1,4 +1,5 @@
-"""Metrics: one JSON line per step, a console line, and PNG curves people can look at."""
+"""Metrics: one JSON line per step, a console line, PNG curves people can look at, and optional
+sinks (TensorBoard, Weights & Biases) fed the same numeric rows."""
 
 from __future__ import annotations
 
@@ -7,18 +8,24 @@ import math
 from pathlib import Path
 from typing import Any
 
+SINKS = ("tensorboard", "wandb")
+
 
 class MetricsLogger:
-    """Rank 0 writes; other ranks hold a logger that does nothing."""
+    """Rank 0 writes; other ranks hold a logger that does nothing.
 
-    def __init__(self, output_dir: str | Path, enabled: bool = True, resume: bool = False):
+    `resume_from=step` keeps the rows of steps <= `step` (a run resumed from that checkpoint
+    rewrites what came after it, e.g. after a kill); None starts a fresh file."""
+
+    def __init__(self, output_dir: str | Path, enabled: bool = True,
+                 resume_from: int | None = None, sinks: tuple[str, ...] = ()):
         self.enabled = enabled
         self.dir = Path(output_dir)
         self.path = self.dir / "metrics.jsonl"
+        self.sinks = [_open_sink(name, self.dir) for name in sinks] if enabled else []
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
-            if not resume and self.path.exists():
-                self.path.unlink()
+            truncate_jsonl(self.path, resume_from)
 
     def log(self, step: int, metrics: dict[str, Any], console_keys: tuple[str, ...] = ()) -> None:
         if not self.enabled:
@@ -26,15 +33,80 @@ class MetricsLogger:
         row = {"step": step, **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        numeric = {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        for sink in self.sinks:
+            sink(step, numeric)
         keys = console_keys or tuple(k for k in metrics if k != "step")
         shown = " ".join(f"{k}={_fmt(metrics[k])}" for k in keys if k in metrics)
         print(f"step {step:5d} | {shown}", flush=True)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
     def rows(self) -> list[dict[str, Any]]:
         return read_metrics(self.path)
 
     def plot(self, keys: tuple[str, ...], filename: str = "curves.png") -> Path | None:
         return plot_metrics(self.rows(), keys, self.dir / filename) if self.enabled else None
+
+
+def truncate_jsonl(path: Path, keep_until: int | None, key: str = "step") -> None:
+    """Keep the rows with `key` <= keep_until (all gone when None), atomically."""
+    if not path.exists():
+        return
+    rows = [] if keep_until is None else [
+        line for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get(key, 0) <= keep_until]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in rows))
+    tmp.replace(path)
+
+
+class _TensorBoard:
+    def __init__(self, folder: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError("train.loggers has 'tensorboard' but the tensorboard package is "
+                              "not installed: pip install 'megatron-rl[tracking]'") from e
+        self.writer = SummaryWriter(str(folder / "tensorboard"))
+
+    def __call__(self, step: int, row: dict[str, float]) -> None:
+        for k, v in row.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    """Project and entity come from WANDB_PROJECT / WANDB_ENTITY, the key from WANDB_API_KEY
+    (never from a config file); WANDB_MODE=offline works without a network."""
+
+    def __init__(self, folder: Path):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError("train.loggers has 'wandb' but the wandb package is not "
+                              "installed: pip install 'megatron-rl[tracking]'") from e
+        self.run = wandb.init(dir=str(folder), resume="allow")
+
+    def __call__(self, step: int, row: dict[str, float]) -> None:
+        self.run.log(row, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _open_sink(name: str, folder: Path):
+    sinks = {"tensorboard": _TensorBoard, "wandb": _WandB}
+    if name not in sinks:
+        raise ValueError(f"rl.loggers: unknown sink {name!r}; known: {', '.join(sinks)}")
+    folder.mkdir(parents=True, exist_ok=True)
+    return sinks[name](folder)
 
 
 def _fmt(v: Any) -> str:
