@@ -89,9 +89,9 @@ def train(cfg: Config, pool: Any) -> list[dict[str, Any]]:
     rows = []
     try:
         for step in range(start, cfg.train.steps):
-            t0 = time.perf_counter()
+            t0, busy = time.perf_counter(), server.core.busy_seconds
             rollouts = asyncio.run(_with_engine(engine, scheduler.collect(step)))
-            trajs = rollouts.trajectories
+            generate, trajs = server.core.busy_seconds - busy, rollouts.trajectories
             metrics = {**rollouts.metrics, **taxonomy_metrics(trajs)}
             t1 = time.perf_counter()
             batch, adv_metrics = rl_batch(trajs, rl, seq_length=cfg.model.seq_length,
@@ -108,6 +108,7 @@ def train(cfg: Config, pool: Any) -> list[dict[str, Any]]:
                 metrics.update(asyncio.run(_with_engine(
                     engine, evaluate_prompts(greedy, engine, judge, held_out))))
             metrics.update({"entropy_coef": coef, "time/rollout": t1 - t0,
+                            "time/generate": generate,
                             "time/train": t2 - t1, "time/sync": t3 - t2,
                             "time/step": time.perf_counter() - t0,
                             "batch/sequences": float(batch.rows if batch else 0)})

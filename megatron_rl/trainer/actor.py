@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from functools import partial
 from typing import Any
 
@@ -64,6 +65,7 @@ class MegatronActor:
         self.config.no_sync_func = self.model[0].no_sync
         self.step = 0
         self.optimizer_steps = 0  # successful updates: Adam's bias-correction step
+        self.forward_backward_seconds = 0.0  # in megatron's schedules (all passes)
         self._setup_micro_batching(module)
 
     # -- construction ------------------------------------------------------------------------
@@ -244,6 +246,7 @@ class MegatronActor:
                 out.register_hook(reroute)
             return out, partial(loss_func, mb)
 
+        t0 = time.perf_counter()
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro), model=self.model,
@@ -251,6 +254,7 @@ class MegatronActor:
                 micro_batch_size=max(m.rows for m in micro), forward_only=forward_only,
                 collect_non_loss_data=collect)
         finally:
+            self.forward_backward_seconds += time.perf_counter() - t0
             if self.routing:
                 self.routing.clear()
 

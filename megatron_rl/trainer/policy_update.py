@@ -31,6 +31,7 @@ def policy_update(actor: Any, batch: TokenBatch, loss: PolicyLossConfig,
     A batch with no trained token (every trajectory excluded, e.g. all environment failures)
     takes no step: its only gradient would be the MoE auxiliary loss, scaled by a token count
     of zero."""
+    start = actor.forward_backward_seconds
     if not batch.loss_mask.any():
         actor.step += 1  # still a step of the run (as a skipped optimizer step is)
         return {"skipped": 1.0, "loss": 0.0, "grad_norm": 0.0, "num_tokens": 0.0,
@@ -47,4 +48,5 @@ def policy_update(actor: Any, batch: TokenBatch, loss: PolicyLossConfig,
         batch.extras[IS_WEIGHTS] = result.weights
         metrics.update(result.metrics)
     metrics.update(actor.train_step(batch, make_policy_loss_fn(loss)))
+    metrics["time/forward_backward"] = actor.forward_backward_seconds - start
     return metrics

@@ -257,6 +257,7 @@ class EmbeddedCore:
         self.error: BaseException | None = None
         self.max_running = 0  # the largest batch decoded so far (a sign batching happened)
         self.admitting: list[Seq] = []  # taken from pending, not yet in the batch
+        self.busy_seconds = 0.0  # spent in prefill and decode steps (generation proper)
         self.weights = WeightLoader(model)
         self.thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
 
@@ -319,6 +320,7 @@ class EmbeddedCore:
                         fut.set_exception(e)
             if self.paused or self.released:
                 continue
+            t0 = time.perf_counter()
             try:
                 if self.pending and len(self.batch) < self.max_batch_size:
                     self._admit()
@@ -327,6 +329,7 @@ class EmbeddedCore:
             except Exception as e:  # a model failure fails the in-flight requests, not the server
                 log.exception("embedded engine step failed")
                 self._fail_all(e)
+            self.busy_seconds += time.perf_counter() - t0
 
     def _fail_all(self, e: BaseException) -> None:
         for s in [*self.admitting, *self.batch, *self.pending]:
