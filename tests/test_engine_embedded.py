@@ -236,6 +236,27 @@ def test_abort_returns_the_partial_output_and_resuming_continues_it(server, long
     assert partial.output_ids + rest.output_ids == ref  # resumed from the committed prefix
 
 
+def test_a_cancelled_client_call_aborts_its_request_on_the_server(server, long_ref) -> None:
+    """Partial rollout cancels sessions at a step cut: the server must stop decoding them and
+    free their rid, which the resumed session sends again."""
+
+    async def scenario() -> tuple:
+        async with HttpEngine(server.url) as eng:
+            task = asyncio.create_task(eng.generate(GenerateRequest("cut", PROMPTS[2],
+                                                                    greedy(LONG))))
+            await wait_running(server.url, "cut", 4)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            running = (await server_info(server.url))["running"]
+            again = await eng.generate(GenerateRequest("cut", PROMPTS[2], greedy(8)))
+            return running, again
+
+    running, again = run(scenario())
+    assert "cut" not in running
+    assert again.output_ids == long_ref[2][:8]
+
+
 def test_pause_holds_requests_and_continue_finishes_them(server, long_ref) -> None:
     ref = long_ref[0]
 

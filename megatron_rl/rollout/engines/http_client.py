@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -198,7 +199,14 @@ class HttpEngine:
     # -- generation ----------------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        data = await self.request("POST", "/generate", build_generate_body(req))
+        try:
+            data = await self.request("POST", "/generate", build_generate_body(req))
+        except asyncio.CancelledError:
+            # a server keeps generating for a dropped connection: abort the request, so its
+            # compute stops and its rid is free for the session that resumes it
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.abort(req.rid))
+            raise
         if not isinstance(data, dict):
             raise EngineError(f"POST {self.url}/generate returned {data!r}", endpoint="/generate")
         return parse_generate_response(req, data, self.moe_layout)
