@@ -20,9 +20,9 @@ then partial, sync; ...) so load from other processes hits both alike:
   done; the cut sessions resume next step from their last committed message.
 
 Both train `groups_per_step` groups (x `samples` trajectories) every step; dynamic sampling is
-off. A step's wall time is `collect(step)` (what an RL step waits on) plus aborting the engine
-requests the cut left in flight (the scheduler cancels its client calls, but the engine keeps
-decoding a cancelled non-streaming request until told; nothing to abort in sync mode). After
+off. A step's wall time is `collect(step)` (what an RL step waits on) plus making sure the cut
+left nothing decoding on the engine (a cancelled `HttpEngine.generate` aborts its request; a
+request written just before the cut may land late and is aborted here). After
 every collect the engine's weight version is bumped (`/update_weight_version`, no tensors), so
 a resumed trajectory splices tokens of an older version: the stale share is reported.
 Token accounting counts every token the engine sampled: generated = trained + still pending in
