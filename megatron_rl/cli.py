@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from megatron_rl.checkpoint.errors import CheckpointError, HFCheckpointError, WeightMapError
 from megatron_rl.config.loader import ConfigError, load_config, to_yaml
@@ -161,8 +162,29 @@ def _launch(fn, nproc: int, *args, backend: str = "auto") -> list:
 
 
 def _quickstart(args: argparse.Namespace) -> int:
-    args.recipe = "tiny-moe-cpu"
-    return _lm_train(args)
+    """The embedded default: RL that learns (the sanity task), then the search agent's loop."""
+    from megatron_rl.distributed.worker_pool import WorkerPool
+    from megatron_rl.train import train
+    from megatron_rl.utils.logs import quiet_libraries
+
+    quiet_libraries()
+    out = Path("runs/quickstart")
+    runs = [("tiny-moe-rl-sanity-cpu", [f"train.output_dir={out}/sanity"]),
+            ("tiny-moe-rl-cpu", ["train.steps=4", f"train.output_dir={out}/search",
+                                 f"checkpoint.dir={out}/search/checkpoints"])]
+    with WorkerPool(args.nproc) as pool:
+        for recipe, overrides in runs:
+            cfg = load_config(recipe, [*overrides, *args.overrides])
+            agent = cfg.rl.agent if cfg.rl.task == "search" else "one-message"
+            print(f"[quickstart] {recipe}: {cfg.rl.task} task, {agent} agent, "
+                  f"{cfg.train.steps} steps", flush=True)
+            rows = train(cfg, pool)
+            first, last = rows[0], rows[-1]
+            print(f"[quickstart] reward {first['reward/outcome_mean']:.3f} -> "
+                  f"{last['reward/outcome_mean']:.3f}, entropy {first.get('entropy', 0):.3f} -> "
+                  f"{last.get('entropy', 0):.3f}; curves: {cfg.train.output_dir}/rl_curves.png",
+                  flush=True)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -91,19 +91,16 @@ def _tokenizer(cfg: EvalConfig) -> Any:
     return tiny_qwen3_tokenizer(vocab_size=2048)  # byte-level: any text round-trips
 
 
-async def evaluate_prompts(agent: Any, engine: Any, judge: Any, prompts: list[Any],
+async def evaluate_prompts(agent: Any, engine: Any, score: Any, prompts: list[Any],
                            prefix: str = "eval") -> dict[str, float]:
-    """The agent once on each held-out prompt (as configured, e.g. greedy), judged; the
-    taxonomy metrics under `prefix/` (pass rate, turns, lengths, abnormal rates)."""
-    from megatron_rl.rewards.composite import judge_trajectory
+    """The agent once on each held-out prompt (as configured, e.g. greedy), scored by
+    `score(trajectories)`; the taxonomy metrics under `prefix/` (pass rate, reward, turns,
+    lengths, abnormal rates)."""
     from megatron_rl.rewards.taxonomy import taxonomy_metrics
 
-    async def one(p: Any):
-        traj = await agent.run(p.question, p.answer, engine, group_id=p.uid, uid=p.uid)
-        await judge_trajectory(traj, judge)
-        return traj
-
-    trajs = await asyncio.gather(*(one(p) for p in prompts))
+    trajs = list(await asyncio.gather(*(
+        agent.run(p.question, p.answer, engine, group_id=p.uid, uid=p.uid) for p in prompts)))
+    await score(trajs)
     return {f"{prefix}/{k.split('/', 1)[-1]}": v for k, v in taxonomy_metrics(trajs).items()
             if k.startswith(("rollout/", "reward/"))}
 

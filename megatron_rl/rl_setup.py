@@ -1,58 +1,142 @@
-"""What `megatron-rl train` builds before its loop, on the embedded default: the generated world
-and its search index, the training and held-out prompts, the agent and the rollout engine.
+"""What `megatron-rl train` trains on: a `Task` (prompts, the agent, how a finished group is
+scored) and the rollout engine.
+
+- `search` (the embedded default): the agent (ReAct or IterSynth) with local search and visit
+  tools over the generated world; the outcome judge (`rl.judge`, rule by default) and, when
+  `rl.rubric` names an OpenAI-compatible judge, IterSynth's per-turn rubric scores (RDPO).
+- `pick_tokens`: one message per prompt, rewarded with the share of its tokens that have an
+  even id. Any policy, even a random one, earns a reward with variance from the first step, so
+  a run shows within a few steps whether the loop learns (engine sampling → reward → update →
+  sync → better samples), before a real task is worth its time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.agents.base import AgentConfig, BaseAgent, Commit, Resume
 from megatron_rl.config.schema import Config
+from megatron_rl.rollout.engines.base import GenerateRequest, RolloutEngine, SamplingParams
 from megatron_rl.rollout.scheduler import Prompt
+from megatron_rl.rollout.trajectory import Trajectory, Turn
 
 TRAIN_QUESTIONS = 64
+Score = Callable[[list[Trajectory]], Awaitable[Any]]
 
 
-def world_prompts(cfg: Config, folder: Path) -> tuple[Iterator[Prompt], list[Prompt], Path]:
-    """The training prompts (cycled, in a fixed order: the checkpoint's data cursor counts
-    them), held-out prompts no training prompt repeats, and the world's index folder."""
+@dataclass
+class Task:
+    prompts: Iterator[Prompt]  # cycled in a fixed order: the checkpoint's data cursor counts them
+    held_out: list[Prompt]     # never in `prompts`
+    agent: Any                 # samples at rl.temperature
+    eval_agent: Any            # greedy
+    score: Score               # writes the rewards of a finished group
+
+
+def build_task(cfg: Config, tokenizer: Any, folder: Path) -> Task:
+    return {"search": search_task, "pick_tokens": pick_tokens_task}[cfg.rl.task](
+        cfg, tokenizer, folder)
+
+
+def _agent_config(cfg: Config, greedy: bool) -> AgentConfig:
+    rl = cfg.rl
+    return AgentConfig(max_turns=rl.max_turns, max_context_tokens=cfg.model.seq_length,
+                       sampling=SamplingParams(temperature=0.0 if greedy else rl.temperature,
+                                               max_new_tokens=rl.max_new_tokens),
+                       seed=cfg.train.seed, return_routed_experts=rl.routing_replay)
+
+
+def _cycle(items: list[Any], make: Callable[[Any, str], Prompt]) -> Iterator[Prompt]:
+    for epoch in range(1 << 30):
+        for i, item in enumerate(items):
+            yield make(item, f"q{i}.e{epoch}")
+
+
+# -- search ------------------------------------------------------------------------------------
+
+def search_task(cfg: Config, tokenizer: Any, folder: Path) -> Task:
+    from megatron_rl.agents import IterSynthAgent, ReActAgent
     from megatron_rl.data.world import build_world_index, generate_world
+    from megatron_rl.env.search import LocalSearch
+    from megatron_rl.env.visit import LocalPages, Visit
+    from megatron_rl.rewards.client import ClientConfig
+    from megatron_rl.rewards.composite import build_judge, score_group
+    from megatron_rl.rewards.rubric import RubricScorer
 
-    world = generate_world(num_docs=cfg.rl.world_docs, seed=cfg.train.seed)
-    where = folder / f"world-{cfg.rl.world_docs}-{cfg.train.seed}"  # deterministic: reusable
+    rl = cfg.rl
+    world = generate_world(num_docs=rl.world_docs, seed=cfg.train.seed)
+    where = folder / f"world-{rl.world_docs}-{cfg.train.seed}"  # deterministic: reusable
     index = where / "index" if (where / "index").is_dir() else build_world_index(world, where)
-    n_eval = cfg.rl.eval_prompts if cfg.rl.eval_every else 0
+    n_eval = rl.eval_prompts if rl.eval_every else 0
     unique = list({q.question: q for q in world.questions(
         TRAIN_QUESTIONS + 4 * n_eval, seed=cfg.train.seed)}.values())
     if len(unique) <= n_eval:
-        raise ValueError(f"rl.world_docs={cfg.rl.world_docs} yields {len(unique)} distinct "
+        raise ValueError(f"rl.world_docs={rl.world_docs} yields {len(unique)} distinct "
                          f"questions: too few for rl.eval_prompts={n_eval} held out")
     held_out, train = unique[:n_eval], unique[n_eval:n_eval + TRAIN_QUESTIONS]
 
     def prompt(q: Any, uid: str) -> Prompt:
         return Prompt(q.question, q.answer, uid, metadata={"facts": list(q.facts)})
 
-    def cycle() -> Iterator[Prompt]:
-        for epoch in range(1 << 30):
-            for i, q in enumerate(train):
-                yield prompt(q, f"q{i}.e{epoch}")
-    return cycle(), [prompt(q, f"eval{i}") for i, q in enumerate(held_out)], index
+    def agent(greedy: bool) -> Any:
+        cls = {"react": ReActAgent, "itersynth": IterSynthAgent}[rl.agent]
+        return cls(tokenizer, [LocalSearch(index), Visit(LocalPages(index))],
+                   _agent_config(cfg, greedy))
+
+    judge = build_judge(rl.judge or None)
+    rubric = RubricScorer(ClientConfig.from_dict(rl.rubric, "rl.rubric")) if rl.rubric \
+        else None
+    return Task(_cycle(train, prompt), [prompt(q, f"eval{i}") for i, q in enumerate(held_out)],
+                agent(False), agent(True), lambda group: score_group(group, judge, rubric))
 
 
-def build_agent(cfg: Config, tokenizer: Any, index: Path, *, greedy: bool = False) -> Any:
-    from megatron_rl.agents import AgentConfig, IterSynthAgent, ReActAgent
-    from megatron_rl.env.search import LocalSearch
-    from megatron_rl.env.visit import LocalPages, Visit
-    from megatron_rl.rollout.engines.base import SamplingParams
+# -- pick_tokens -------------------------------------------------------------------------------
 
-    rl = cfg.rl
-    config = AgentConfig(max_turns=rl.max_turns, max_context_tokens=cfg.model.seq_length,
-                         sampling=SamplingParams(temperature=0.0 if greedy else rl.temperature,
-                                                 max_new_tokens=rl.max_new_tokens),
-                         seed=cfg.train.seed, return_routed_experts=rl.routing_replay)
-    cls = {"react": ReActAgent, "itersynth": IterSynthAgent}[rl.agent]
-    return cls(tokenizer, [LocalSearch(index), Visit(LocalPages(index))], config)
+class OneMessageAgent(BaseAgent):
+    """One engine call from a chat prompt, kept as generated (cut or not): for tasks scored on
+    the tokens themselves."""
+
+    role = "agent"
+
+    async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
+                  group_id: str, uid: str, resume: Resume | None = None,
+                  commit: Commit | None = None) -> Trajectory:
+        traj, _ = self.start(question, reference, group_id, uid, resume)
+        if traj.turns:  # its one message was committed before a cut
+            return traj
+        context = self.chat.prompt_ids("", self.chat.safe_text(question))
+        rid = f"{uid}/0"
+        res = await engine.generate(GenerateRequest(
+            rid, context, self.sampling_for(rid),
+            return_routed_experts=self.config.return_routed_experts))
+        traj.turns.append(Turn(self.role, context, list(res.output_ids),
+                               list(res.output_logprobs), list(res.weight_versions),
+                               finish_reason=res.finish_reason,
+                               text=self.chat.decode(res.output_ids),
+                               routed_experts=self.routed_experts(rid, res)))
+        return traj
+
+
+async def score_even_tokens(group: list[Trajectory]) -> None:
+    for t in group:
+        ids = [i for turn in t.turns for i in turn.output_ids]
+        t.rewards["outcome"] = sum(i % 2 == 0 for i in ids) / max(len(ids), 1)
+
+
+def pick_tokens_task(cfg: Config, tokenizer: Any, folder: Path) -> Task:
+    words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+    n_eval = cfg.rl.eval_prompts if cfg.rl.eval_every else 0
+
+    def prompt(word: str, uid: str) -> Prompt:
+        return Prompt(f"Write about {word}.", "", uid)
+
+    return Task(_cycle(list(words), prompt),
+                [prompt(f"{w} {i}", f"eval{i}") for i, w in enumerate(words[:n_eval])],
+                OneMessageAgent(tokenizer, [], _agent_config(cfg, False)),
+                OneMessageAgent(tokenizer, [], _agent_config(cfg, True)), score_even_tokens)
 
 
 def start_engine(cfg: Config, spec: Any, tokenizer: Any) -> Any:

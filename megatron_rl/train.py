@@ -23,7 +23,7 @@ from megatron_rl.config.schema import Config
 
 CONSOLE = ("reward/outcome_mean", "rollout/pass_rate", "loss", "grad_norm", "entropy",
            "time/rollout", "eval/pass_rate")
-CURVES = ("reward/outcome_mean", "rollout/pass_rate", "eval/pass_rate", "loss", "grad_norm",
+CURVES = ("reward/outcome_mean", "rollout/pass_rate", "eval/outcome_mean", "loss", "grad_norm",
           "entropy", "mismatch/train_rollout_logprob_abs_diff", "rollout/turns_mean",
           "time/step")
 
@@ -52,9 +52,8 @@ def train(cfg: Config, pool: Any) -> list[dict[str, Any]]:
     from megatron_rl.algorithms.entropy import EntropyPIController
     from megatron_rl.evaluation import evaluate_prompts
     from megatron_rl.models.registry import get_model_spec
-    from megatron_rl.rewards.rule import RuleJudge
     from megatron_rl.rewards.taxonomy import taxonomy_metrics
-    from megatron_rl.rl_setup import build_agent, start_engine, world_prompts
+    from megatron_rl.rl_setup import build_task, start_engine
     from megatron_rl.rollout.batching import rl_batch
     from megatron_rl.rollout.engines.http_client import HttpEngine
     from megatron_rl.rollout.scheduler import RolloutScheduler, SchedulerConfig
@@ -65,18 +64,19 @@ def train(cfg: Config, pool: Any) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     spec = get_model_spec(cfg.model.name)
     tokenizer = tiny_qwen3_tokenizer(vocab_size=spec.vocab_size)
-    prompts, held_out, index = world_prompts(cfg, out)
+    task = build_task(cfg, tokenizer, out)
     info = pool.run(remote.init, cfg)[0]
     progress, start = info["progress"], int(info["progress"].get("step", 0))
     server = start_engine(cfg, spec, tokenizer)
     pool.run(remote.connect, [server.url])
     pool.run(remote.sync, start)
-    engine, judge = HttpEngine(server.url), RuleJudge()
+    engine = HttpEngine(server.url)
     scheduler = RolloutScheduler(
-        build_agent(cfg, tokenizer, index), engine, judge, prompts,
+        task.agent, engine, None, task.prompts,
         SchedulerConfig(samples_per_prompt=rl.samples_per_prompt,
                         groups_per_step=rl.groups_per_step, oversample=rl.oversample,
-                        dynamic_sampling=rl.dynamic_sampling, partial_rollout=rl.partial_rollout))
+                        dynamic_sampling=rl.dynamic_sampling, partial_rollout=rl.partial_rollout),
+        score=task.score)
     entropy = EntropyPIController(rl.entropy_target, rl.entropy_kp, rl.entropy_ki,
                                   init_coef=rl.entropy_coef) if rl.entropy_target else None
     if progress.get("rollout"):
@@ -104,9 +104,8 @@ def train(cfg: Config, pool: Any) -> list[dict[str, Any]]:
             if entropy is not None and "entropy" in metrics:
                 coef = entropy.update(metrics["entropy"])
             if rl.eval_every and (step + 1) % rl.eval_every == 0:
-                greedy = build_agent(cfg, tokenizer, index, greedy=True)
-                metrics.update(asyncio.run(_with_engine(
-                    engine, evaluate_prompts(greedy, engine, judge, held_out))))
+                metrics.update(asyncio.run(_with_engine(engine, evaluate_prompts(
+                    task.eval_agent, engine, task.score, task.held_out))))
             metrics.update({"entropy_coef": coef, "time/rollout": t1 - t0,
                             "time/generate": generate,
                             "time/train": t2 - t1, "time/sync": t3 - t2,

@@ -236,6 +236,11 @@ class RLConfig:
     tis_level: str = bounded("token", choices=("token", "sequence"))
     tis_mode: str = bounded("truncate", choices=("truncate", "mask"))
     sync_transport: str = bounded("tensor", choices=("tensor", "distributed", "disk"))
+    task: str = bounded("search", choices=("search", "pick_tokens"),
+                        help="search: the agent over the generated world; pick_tokens: a "
+                        "sanity task any policy learns (rl_setup.py)")
+    judge: dict[str, Any] = field(default_factory=dict)   # {} = rule; see rewards.build_judge
+    rubric: dict[str, Any] = field(default_factory=dict)  # an OpenAI-compatible rubric judge
     reward_manager: str = bounded(
         "grpo", choices=("grpo", "rdpo", "rdpo_mixed", "pipeline_outcome", "end_to_end",
                          "c_grpo", "intermediate_fact"),

@@ -16,7 +16,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -78,8 +78,12 @@ class RolloutScheduler:
     """Feeds prompts to an agent, a group at a time, until a step has its groups."""
 
     def __init__(self, agent: Any, engine: RolloutEngine, judge: Any,
-                 prompts: Iterator[Prompt], config: SchedulerConfig | None = None):
+                 prompts: Iterator[Prompt], config: SchedulerConfig | None = None, *,
+                 score: Callable[[list[Trajectory]], Awaitable[Any]] | None = None):
+        """`score(group)` writes the rewards of a finished group; by default the judge's
+        outcome (`rewards.composite.score_group`)."""
         self.agent, self.engine, self.judge = agent, engine, judge
+        self.score = score or (lambda group: score_group(group, judge))
         self.prompts, self.cfg = prompts, config or SchedulerConfig()
         self.requeued: deque[PendingGroup] = deque()  # cut last step: first in line
         self.started = 0                              # prompts drawn from `prompts` so far
@@ -121,7 +125,7 @@ class RolloutScheduler:
         trajs = await asyncio.gather(*(self._sample(group, i, step, out)
                                        for i in range(len(group.nodes))))
         t0 = time.perf_counter()
-        await score_group(list(trajs), self.judge)
+        await self.score(list(trajs))
         out.judge_seconds += time.perf_counter() - t0
         return list(trajs)
 
