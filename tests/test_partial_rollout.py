@@ -130,8 +130,8 @@ def test_forest_commit_copies_and_rebuilds():
     forest = RolloutForest()
     root = forest.root("p0")
     assert forest.resume(root) is None
-    traj = asyncio.run(sched.agent.run("quick 2", "Paris", sched.engine, group_id="p0",
-                                       uid="u"))
+    traj = asyncio.run(sched.agent.run("quick 2", "Paris", ScriptedEngine(TOK, policy),
+                                       group_id="p0", uid="u"))
     node = forest.commit(root, traj, {"step": 1})
     traj.turns[0].output_ids.append(7)  # a later mutation does not reach the forest
     rebuilt, state = forest.resume(node)
