@@ -5,6 +5,8 @@ Kept apart from the test files so the spawned ranks import only this and the pac
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -87,3 +89,12 @@ def rank_of_failure(fail_rank: int) -> int:
     if dist.get_rank() == fail_rank:
         raise ValueError(f"deliberate failure on rank {fail_rank}")
     return dist.get_rank()
+
+
+def threads_after_actors(overrides: list[str], n: int) -> list[int]:
+    """This process's thread count after each of `n` actor builds (each rebuilds the layout)."""
+    counts = []
+    for _ in range(n):
+        make_actor(overrides)
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts

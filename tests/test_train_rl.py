@@ -21,8 +21,10 @@ from megatron_rl.train import train
 from tests.pools import get_pool
 from tests.test_rewards_fakes import FakeJudgeServer, rubric_reply
 
+# no over-sampling (the recipe's partial rollout cuts groups by timing): every run is the same
 BASE = ["train.steps=2", "rl.world_docs=60", "rl.samples_per_prompt=2", "rl.groups_per_step=2",
-        "rl.max_turns=2", "rl.max_new_tokens=16"]
+        "rl.max_turns=2", "rl.max_new_tokens=16", "rl.oversample=1.0",
+        "rl.partial_rollout=false", "rl.eval_every=0"]
 
 
 def _run(tmp_path, nproc, extra=()):

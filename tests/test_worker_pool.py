@@ -35,3 +35,12 @@ def test_hung_job_times_out_and_closes_the_pool():
         assert not pool.alive
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # the rank is gone, not left behind
+
+
+def test_rebuilding_the_layout_does_not_pile_up_gloo_groups(pool2):
+    """Each megatron layout on gloo holds ~60 threads; a pool that builds actor after actor
+    (a test session, several runs) must not keep the old ones (they once drove the load of
+    this 2-core machine into the hundreds)."""
+    counts = pool2.run(dist_cases.threads_after_actors, ["parallel.ep=2"], 3)
+    for rank_counts in counts:
+        assert rank_counts[-1] <= rank_counts[0] + 4, rank_counts

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,6 +76,24 @@ def min_world_size(parallel: ParallelConfig) -> int:
     return mp * dp
 
 
+def destroy_model_parallel() -> None:
+    """Megatron's `destroy_model_parallel` forgets most of its groups without destroying them;
+    on gloo each keeps its threads and sockets (~60 threads per layout), so a long-lived worker
+    that rebuilds its layout (a test session, several runs in one pool) would pile them up
+    until the machine spends its time in the kernel. Destroy every group it held."""
+    from megatron.core import parallel_state as ps
+
+    held: dict[int, Any] = {}
+    for value in list(vars(ps).values()):
+        for g in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(g, dist.ProcessGroup) and g is not dist.GroupMember.WORLD:
+                held[id(g)] = g
+    ps.destroy_model_parallel()
+    for g in held.values():
+        with contextlib.suppress(Exception):  # megatron already destroyed its *_GLOO groups
+            dist.destroy_process_group(g)
+
+
 def init_model_parallel(parallel: ParallelConfig, seed: int) -> Layout:
     """(Re)build Megatron's TP/PP/EP/CP/DP groups over the default group and seed every RNG."""
     from megatron_rl.models import cpu_compat
@@ -91,7 +111,7 @@ def init_model_parallel(parallel: ParallelConfig, seed: int) -> Layout:
         raise ValueError(f"parallel.ep*etp={parallel.ep * parallel.etp} must divide "
                          f"dp*tp*cp={dp * parallel.tp * parallel.cp} (world {world})")
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
