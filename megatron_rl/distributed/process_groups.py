@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import random
 import socket
@@ -80,7 +81,8 @@ def destroy_model_parallel() -> None:
     """Megatron's `destroy_model_parallel` forgets most of its groups without destroying them;
     on gloo each keeps its threads and sockets (~60 threads per layout), so a long-lived worker
     that rebuilds its layout (a test session, several runs in one pool) would pile them up
-    until the machine spends its time in the kernel. Destroy every group it held."""
+    until the machine spends its time in the kernel. Destroy every group it held; a group's
+    threads end when its last user goes, so collect the unreachable old models too."""
     from megatron.core import parallel_state as ps
 
     held: dict[int, Any] = {}
@@ -92,6 +94,8 @@ def destroy_model_parallel() -> None:
     for g in held.values():
         with contextlib.suppress(Exception):  # megatron already destroyed its *_GLOO groups
             dist.destroy_process_group(g)
+    held.clear()
+    gc.collect()
 
 
 def init_model_parallel(parallel: ParallelConfig, seed: int) -> Layout:
