@@ -36,9 +36,10 @@ class Task:
     score: Score               # writes the rewards of a finished group
 
 
-def build_task(cfg: Config, tokenizer: Any, folder: Path) -> Task:
+def build_task(cfg: Config, tokenizer: Any, folder: Path,
+               aux_urls: dict[str, list[str]] | None = None) -> Task:
     return {"search": search_task, "pick_tokens": pick_tokens_task}[cfg.rl.task](
-        cfg, tokenizer, folder)
+        cfg, tokenizer, folder, aux_urls or {})
 
 
 def _agent_config(cfg: Config, greedy: bool) -> AgentConfig:
@@ -57,7 +58,8 @@ def _cycle(items: list[Any], make: Callable[[Any, str], Prompt]) -> Iterator[Pro
 
 # -- search ------------------------------------------------------------------------------------
 
-def search_task(cfg: Config, tokenizer: Any, folder: Path) -> Task:
+def search_task(cfg: Config, tokenizer: Any, folder: Path,
+                aux_urls: dict[str, list[str]]) -> Task:
     from megatron_rl.agents import IterSynthAgent, ReActAgent
     from megatron_rl.data.world import build_world_index, generate_world
     from megatron_rl.env.search import LocalSearch
@@ -86,9 +88,9 @@ def search_task(cfg: Config, tokenizer: Any, folder: Path) -> Task:
         return cls(tokenizer, [LocalSearch(index), Visit(LocalPages(index))],
                    _agent_config(cfg, greedy))
 
-    judge = build_judge(rl.judge or None)
-    rubric = RubricScorer(ClientConfig.from_dict(rl.rubric, "rl.rubric")) if rl.rubric \
-        else None
+    judge = build_judge(client_spec(rl.judge, aux_urls, "rl.judge") if rl.judge else None)
+    rubric = RubricScorer(ClientConfig.from_dict(client_spec(rl.rubric, aux_urls, "rl.rubric"),
+                                                 "rl.rubric")) if rl.rubric else None
     return Task(_cycle(train, prompt), [prompt(q, f"eval{i}") for i, q in enumerate(held_out)],
                 agent(False), agent(True), lambda group: score_group(group, judge, rubric))
 
@@ -126,7 +128,8 @@ async def score_even_tokens(group: list[Trajectory]) -> None:
         t.rewards["outcome"] = sum(i % 2 == 0 for i in ids) / max(len(ids), 1)
 
 
-def pick_tokens_task(cfg: Config, tokenizer: Any, folder: Path) -> Task:
+def pick_tokens_task(cfg: Config, tokenizer: Any, folder: Path,
+                     aux_urls: dict[str, list[str]]) -> Task:
     words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
     n_eval = cfg.rl.eval_prompts if cfg.rl.eval_every else 0
 
@@ -139,12 +142,72 @@ def pick_tokens_task(cfg: Config, tokenizer: Any, folder: Path) -> Task:
                 OneMessageAgent(tokenizer, [], _agent_config(cfg, True)), score_even_tokens)
 
 
-def start_engine(cfg: Config, spec: Any, tokenizer: Any) -> Any:
-    """An embedded engine with random weights of the policy's architecture: the first weight
-    sync replaces them with the trainer's."""
-    import transformers
+@dataclass
+class Engines:
+    """The policy engines, wherever they run: what agents call, where weight sync pushes."""
 
-    from megatron_rl.rollout.engines.embedded import EmbeddedServer
+    policy: Any                       # a RolloutEngine
+    urls: list[str]                   # the engine servers (weight sync's targets)
+    aux_urls: dict[str, list[str]]    # aux pools' OpenAI base URLs (judge, summarizer, ...)
+    schedule: Any                     # colocation: engines parked during a train step, or None
+    core: Any                         # the in-process engine (its busy seconds), or None
+    stop: Callable[[], None]
 
-    model = transformers.AutoModelForCausalLM.from_config(spec.hf_config())
-    return EmbeddedServer(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size).start()
+    async def end_loop(self) -> None:
+        """An HttpEngine's session belongs to the event loop that opened it."""
+        if self.core is not None:
+            await self.policy.close()
+
+    def busy_seconds(self) -> float | None:
+        """Seconds the in-process engine spent generating so far (None for engine processes)."""
+        return self.core.busy_seconds if self.core is not None else None
+
+
+def start_engines(cfg: Config, spec: Any, tokenizer: Any) -> Engines:
+    """One embedded engine in this process (`rollout.ray` off), else the engine pools Ray
+    places (`launch_rollout`: engine processes that restart, SGLang on GPU, aux pools). Engines
+    without `rollout.model_path` start from random weights of the policy's architecture: the
+    first weight sync replaces them with the trainer's."""
+    from megatron_rl.rollout.engines.http_client import HttpEngine
+
+    ro = cfg.rollout
+    if not ro.ray:
+        import transformers
+
+        from megatron_rl.rollout.engines.embedded import EmbeddedServer
+
+        if ro.engine != "embedded" or ro.num_engines != 1 or ro.aux_pools:
+            raise ValueError("rollout.engine=sglang, rollout.num_engines > 1 and "
+                             "rollout.aux_pools need rollout.ray=true")
+        model = transformers.AutoModelForCausalLM.from_config(spec.hf_config())
+        server = EmbeddedServer(model, tokenizer, max_batch_size=ro.max_batch_size).start()
+        return Engines(HttpEngine(server.url), [server.url], {}, None, server.core, server.stop)
+    import ray
+
+    from megatron_rl.distributed.ray_placement import init_ray
+    from megatron_rl.rollout.engines.ray_engine import launch_rollout
+
+    started = not ray.is_initialized() and ro.ray_address is None
+    init_ray(ro)
+    rollout = launch_rollout(ro, model_name=None if ro.model_path else cfg.model.name)
+
+    def stop() -> None:
+        rollout.close()
+        if started:
+            ray.shutdown()
+    return Engines(rollout.policy, rollout.policy.urls(), rollout.aux_base_urls(),
+                   rollout.schedule if rollout.placement.colocated else None, None, stop)
+
+
+def client_spec(spec: dict[str, Any], aux_urls: dict[str, list[str]], where: str
+                ) -> dict[str, Any]:
+    """A judge spec whose `pool: NAME` is replaced by that aux pool's base URLs (Iris' in-cluster
+    judge); other specs unchanged."""
+    spec = dict(spec)
+    pool = spec.pop("pool", None)
+    if pool is None:
+        return spec
+    if pool not in aux_urls:
+        raise ValueError(f"{where}.pool={pool!r}: no such rollout.aux_pools entry; started: "
+                         f"{', '.join(aux_urls) or 'none'}")
+    return {**spec, "base_url": aux_urls[pool]}

@@ -14,6 +14,7 @@ run resumes where its last checkpoint was.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -28,11 +29,11 @@ CURVES = ("reward/outcome_mean", "rollout/pass_rate", "eval/outcome_mean", "loss
           "time/step")
 
 
-async def _with_engine(engine: Any, work: Any) -> Any:
+async def _with(engines: Any, work: Any) -> Any:
     try:
         return await work
     finally:
-        await engine.close()  # its HTTP session belongs to this event loop
+        await engines.end_loop()
 
 
 def _dump(path: Path, step: int, trajectories: list[Any]) -> None:
@@ -53,9 +54,8 @@ def train(cfg: Config, pool: Any) -> list[dict[str, Any]]:
     from megatron_rl.evaluation import evaluate_prompts
     from megatron_rl.models.registry import get_model_spec
     from megatron_rl.rewards.taxonomy import taxonomy_metrics
-    from megatron_rl.rl_setup import build_task, start_engine
+    from megatron_rl.rl_setup import build_task, start_engines
     from megatron_rl.rollout.batching import rl_batch
-    from megatron_rl.rollout.engines.http_client import HttpEngine
     from megatron_rl.rollout.scheduler import RolloutScheduler, SchedulerConfig
     from megatron_rl.trainer import remote
     from megatron_rl.utils.metrics import MetricsLogger, truncate_jsonl
@@ -64,50 +64,56 @@ def train(cfg: Config, pool: Any) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     spec = get_model_spec(cfg.model.name)
     tokenizer = tiny_qwen3_tokenizer(vocab_size=spec.vocab_size)
-    task = build_task(cfg, tokenizer, out)
     info = pool.run(remote.init, cfg)[0]
-    progress, start = info["progress"], int(info["progress"].get("step", 0))
-    server = start_engine(cfg, spec, tokenizer)
-    pool.run(remote.connect, [server.url])
-    pool.run(remote.sync, start)
-    engine = HttpEngine(server.url)
-    scheduler = RolloutScheduler(
-        task.agent, engine, None, task.prompts,
-        SchedulerConfig(samples_per_prompt=rl.samples_per_prompt,
-                        groups_per_step=rl.groups_per_step, oversample=rl.oversample,
-                        dynamic_sampling=rl.dynamic_sampling, partial_rollout=rl.partial_rollout),
-        score=task.score)
-    entropy = EntropyPIController(rl.entropy_target, rl.entropy_kp, rl.entropy_ki,
-                                  init_coef=rl.entropy_coef) if rl.entropy_target else None
-    if progress.get("rollout"):
-        scheduler.load_state_dict(progress["rollout"])
-    if entropy and progress.get("entropy_control"):
-        entropy.load_state_dict(progress["entropy_control"])
-    coef = entropy.coef if entropy and entropy.coef is not None else rl.entropy_coef
-    logger = MetricsLogger(out, resume_from=start or None, sinks=rl.loggers)
-    truncate_jsonl(out / "trajectories.jsonl", start or None)
     rows = []
-    try:
+    with contextlib.ExitStack() as cleanup:  # runs backwards: logger, engines, ranks
+        cleanup.callback(pool.run, remote.close)
+        progress, start = info["progress"], int(info["progress"].get("step", 0))
+        engines = start_engines(cfg, spec, tokenizer)
+        cleanup.callback(engines.stop)
+        task = build_task(cfg, tokenizer, out, engines.aux_urls)
+        pool.run(remote.connect, engines.urls)
+        pool.run(remote.sync, start)
+        engine = engines.policy
+        scheduler = RolloutScheduler(
+            task.agent, engine, None, task.prompts,
+            SchedulerConfig(rl.samples_per_prompt, rl.groups_per_step, rl.oversample,
+                            rl.dynamic_sampling, partial_rollout=rl.partial_rollout),
+            score=task.score)
+        entropy = EntropyPIController(rl.entropy_target, rl.entropy_kp, rl.entropy_ki,
+                                      init_coef=rl.entropy_coef) if rl.entropy_target else None
+        if progress.get("rollout"):
+            scheduler.load_state_dict(progress["rollout"])
+        if entropy and progress.get("entropy_control"):
+            entropy.load_state_dict(progress["entropy_control"])
+        coef = entropy.coef if entropy and entropy.coef is not None else rl.entropy_coef
+        logger = MetricsLogger(out, resume_from=start or None, sinks=rl.loggers)
+        cleanup.callback(logger.close)
+        truncate_jsonl(out / "trajectories.jsonl", start or None)
         for step in range(start, cfg.train.steps):
-            t0, busy = time.perf_counter(), server.core.busy_seconds
-            rollouts = asyncio.run(_with_engine(engine, scheduler.collect(step)))
-            generate, trajs = server.core.busy_seconds - busy, rollouts.trajectories
+            t0, busy = time.perf_counter(), engines.busy_seconds()
+            rollouts = asyncio.run(_with(engines, scheduler.collect(step)))
+            trajs = rollouts.trajectories
             metrics = {**rollouts.metrics, **taxonomy_metrics(trajs)}
+            if busy is not None:
+                metrics["time/generate"] = engines.busy_seconds() - busy
             t1 = time.perf_counter()
             batch, adv_metrics = rl_batch(trajs, rl, seq_length=cfg.model.seq_length,
                                           rows_multiple=info["dp"] * cfg.train.micro_batch_size)
             metrics.update(adv_metrics)
-            metrics.update(pool.run(remote.update, batch, coef)[0] if batch else {"skipped": 1.0})
+            with engines.schedule.training_sync() if engines.schedule else \
+                    contextlib.nullcontext():
+                metrics.update(pool.run(remote.update, batch, coef)[0] if batch
+                               else {"skipped": 1.0})
             t2 = time.perf_counter()
             metrics.update(pool.run(remote.sync, step + 1)[0])
             t3 = time.perf_counter()
             if entropy is not None and "entropy" in metrics:
                 coef = entropy.update(metrics["entropy"])
             if rl.eval_every and (step + 1) % rl.eval_every == 0:
-                metrics.update(asyncio.run(_with_engine(engine, evaluate_prompts(
+                metrics.update(asyncio.run(_with(engines, evaluate_prompts(
                     task.eval_agent, engine, task.score, task.held_out))))
             metrics.update({"entropy_coef": coef, "time/rollout": t1 - t0,
-                            "time/generate": generate,
                             "time/train": t2 - t1, "time/sync": t3 - t2,
                             "time/step": time.perf_counter() - t0,
                             "batch/sequences": float(batch.rows if batch else 0)})
@@ -120,8 +126,4 @@ def train(cfg: Config, pool: Any) -> list[dict[str, Any]]:
                     "rollout": scheduler.state_dict(),
                     "entropy_control": entropy.state_dict() if entropy else None})
         logger.plot(CURVES, "rl_curves.png")
-    finally:
-        logger.close()
-        pool.run(remote.close)
-        server.stop()
     return rows

@@ -117,6 +117,9 @@ class RolloutConfig:
     """
 
     engine: str = bounded("embedded", choices=ENGINE_KINDS)
+    ray: bool = bounded(False, help="`megatron-rl train` places the engines with Ray (engine "
+                        "processes, SGLang, aux pools); False = one embedded engine in the "
+                        "driver process")
     model_path: str | None = bounded(None, help="HF model dir the engines serve; None = "
                                                 "model.name with random weights (embedded)")
     num_engines: int = bounded(1, ge=1)
