@@ -82,8 +82,10 @@ def destroy_model_parallel() -> None:
     on gloo each keeps its threads and sockets (~60 threads per layout), so a long-lived worker
     that rebuilds its layout (a test session, several runs in one pool) would pile them up
     until the machine spends its time in the kernel. Destroy every group it held; a group's
-    threads end when its last user goes, so collect the unreachable old models too."""
+    threads end when its last user goes, so drop the MoE metrics tracker (its entries keep
+    their reduce groups) and collect the unreachable old models too."""
     from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe import moe_logging
 
     held: dict[int, Any] = {}
     for value in list(vars(ps).values()):
@@ -95,6 +97,7 @@ def destroy_model_parallel() -> None:
         with contextlib.suppress(Exception):  # megatron already destroyed its *_GLOO groups
             dist.destroy_process_group(g)
     held.clear()
+    moe_logging.set_moe_metrics_tracker(moe_logging.MoEMetricsTracker())
     gc.collect()
 
 
