@@ -3,7 +3,8 @@ in engine generation (the embedded engine's prefill/decode steps) nor in Megatro
 forward/backward schedules (log-prob passes and the training pass). Goal: <= 0.05.
 
 What the rest is: tool calls (local search), judging, agent parsing and HTTP, building the
-batch, shipping it to the trainer ranks, the optimizer step, weight sync and logging.
+batch, shipping it to the trainer ranks, the optimizer step, weight sync and logging. Periodic
+work is off (held-out eval, checkpoints): it is not part of a step.
 
     .venv/bin/python benchmarks/step_overhead.py [--steps 6] [--nproc 2]
 """
@@ -30,6 +31,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config("tiny-moe-rl-cpu", [
             f"train.steps={args.steps}", f"train.output_dir={out}", "checkpoint.dir=null",
+            "rl.eval_every=0",
             *([] if args.nproc == 2 else ["parallel.ep=1"]), *args.overrides])
         with WorkerPool(args.nproc) as pool:
             rows = train(cfg, pool)
