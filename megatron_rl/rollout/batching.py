@@ -96,9 +96,9 @@ def rl_batch(trajectories: Sequence[Trajectory], rl: Any, *, seq_length: int,
         rubric_weight=rl.rubric_weight)
     seqs, per_token = [], []
     for traj, advantages in zip(trajectories, per_turn, strict=True):
-        for seq in traj.sequences():
-            seqs.append(seq)
-            per_token.append(token_advantages([seq], advantages)[0])
+        own = traj.sequences()
+        seqs += own
+        per_token += token_advantages(own, advantages)
     stale = [v for s in seqs for v, m in zip(s.weight_versions, s.loss_mask, strict=True) if m]
     if stale:
         newest = max(stale)

@@ -114,10 +114,13 @@ class RolloutScheduler:
         def commit(traj: Trajectory, state: dict[str, Any]) -> None:
             group.nodes[i] = self.forest.commit(group.nodes[i], traj, state)
 
+        keep = self.cfg.partial_rollout  # without it a cut session starts over: keep nothing
         traj = await self.agent.run(p.question, p.answer, self.engine, group_id=p.uid,
-                                    uid=f"{p.uid}/s{step}/{i}", resume=resume, commit=commit)
+                                    uid=f"{p.uid}/s{step}/{i}", resume=resume,
+                                    commit=commit if keep else None)
         traj.metadata.update(p.metadata)
-        commit(traj, {"done": True})
+        if keep:
+            commit(traj, {"done": True})
         return traj
 
     async def _group(self, group: PendingGroup, step: int, out: StepRollouts
