@@ -10,13 +10,16 @@ setup:
 quickstart: setup
 	$(VENV)/bin/megatron-rl quickstart
 
-# pytest exits 5 when it collects nothing: that is not a failure of the project
+# the package layering (.importlinter) first; pytest exits 5 when it collects nothing: that is
+# not a failure of the project
 test: setup
+	$(VENV)/bin/lint-imports --no-cache
 	@set +e; $(VENV)/bin/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 lint: setup
 	$(VENV)/bin/ruff check megatron_rl tests tools benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 
 gpu-check: setup
 	tools/gpu_check.sh

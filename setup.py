@@ -32,7 +32,9 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "nvidia-modelopt"],
         "sglang": ["sglang==0.5.23", "sglang-router"],
         "tracking": ["tensorboard", "wandb"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "py-spy", "tensorboard"],
+        "dev": [
+            "pytest", "pytest-timeout", "hypothesis", "ruff", "py-spy", "tensorboard", "import-linter",
+        ],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

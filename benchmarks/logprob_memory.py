@@ -23,7 +23,7 @@ quiet_libraries()
 from megatron_rl.config.loader import load_config
 from megatron_rl.distributed.process_groups import init_distributed
 from megatron_rl.trainer.actor import MegatronActor
-from megatron_rl.trainer.batch import TokenBatch
+from megatron_rl.records.batch import TokenBatch
 from megatron_rl.trainer.losses import lm_loss
 spec, seq, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(2)

@@ -49,8 +49,8 @@ def megatron(model_name: str, tokens: torch.Tensor, warmup: int, steps: int
              ) -> tuple[float, int]:
     from megatron_rl.config.loader import load_config
     from megatron_rl.distributed.process_groups import init_distributed
+    from megatron_rl.records.batch import TokenBatch
     from megatron_rl.trainer.actor import MegatronActor
-    from megatron_rl.trainer.batch import TokenBatch
     from megatron_rl.trainer.losses import lm_loss
 
     rows, seq = tokens.shape[0], tokens.shape[1] - 1

@@ -27,7 +27,7 @@ def lengths(n: int, median: int, sigma: float, longest: int, seed: int) -> list[
 
 
 def make_batch(lens: list[int], seq: int, vocab: int):
-    from megatron_rl.trainer.batch import TokenBatch
+    from megatron_rl.records.batch import TokenBatch
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.zeros(len(lens), seq + 1, dtype=torch.long)

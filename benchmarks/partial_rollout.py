@@ -81,7 +81,7 @@ class HeavyTailAgent:
     committed context. Answers 'even'/'odd' by the parity of its tokens (the judge's reward)."""
 
     def __init__(self, tokenizer: Any, cfg: BenchConfig, tag: str):
-        from megatron_rl.rollout.engines.base import SamplingParams
+        from megatron_rl.engines.base import SamplingParams
 
         self.tok, self.cfg, self.tag = tokenizer, cfg, tag
         self.sampling = SamplingParams(temperature=1.0, max_new_tokens=cfg.tokens,
@@ -92,8 +92,8 @@ class HeavyTailAgent:
                   uid: str, resume: Any = None, commit: Any = None) -> Any:
         import dataclasses
 
-        from megatron_rl.rollout.engines.base import GenerateRequest
-        from megatron_rl.rollout.trajectory import Trajectory, Turn
+        from megatron_rl.engines.base import GenerateRequest
+        from megatron_rl.records.trajectory import Trajectory, Turn
 
         if resume is None:
             index = int(uid.rsplit("/", 1)[1])  # the scheduler's uid: prompt/s{step}/{index}
@@ -129,7 +129,7 @@ class HeavyTailAgent:
 
 
 def prompt_stream() -> Iterator[Any]:
-    from megatron_rl.rollout.scheduler import Prompt
+    from megatron_rl.records.prompt import Prompt
 
     k = 0
     while True:
@@ -251,15 +251,18 @@ async def _step(sched: Any, engine: Any, core: Any, meter: EngineMeter,
 
 async def _run(cfg: BenchConfig, server: Any, meter: EngineMeter, tokenizer: Any
                ) -> dict[str, ModeResult]:
+    from megatron_rl.engines.http_client import HttpEngine
+    from megatron_rl.rewards.composite import score_group
     from megatron_rl.rewards.rule import RuleJudge
-    from megatron_rl.rollout.engines.http_client import HttpEngine
     from megatron_rl.rollout.scheduler import RolloutScheduler, SchedulerConfig
 
     engine = HttpEngine(server.url)
+    judge = RuleJudge()
     scheds, results = {}, {}
     for mode, (oversample, partial) in MODES.items():
         scheds[mode] = RolloutScheduler(
-            HeavyTailAgent(tokenizer, cfg, mode), engine, RuleJudge(), prompt_stream(),
+            HeavyTailAgent(tokenizer, cfg, mode), engine, prompt_stream(),
+            lambda g: score_group(g, judge),
             SchedulerConfig(samples_per_prompt=cfg.samples, groups_per_step=cfg.groups,
                             oversample=oversample, dynamic_sampling=False,
                             partial_rollout=partial))
@@ -285,8 +288,8 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, ModeResult]:
     import transformers
 
     from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
+    from megatron_rl.engines.embedded import EmbeddedServer
     from megatron_rl.models.registry import get_model_spec
-    from megatron_rl.rollout.engines.embedded import EmbeddedServer
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)

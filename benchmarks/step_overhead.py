@@ -37,7 +37,8 @@ def main() -> None:
             rows = train(cfg, pool)
     rows = rows[1:]  # the first step pays one-off costs (imports, first allocations)
     print(f"\n{len(rows)} steps after warm-up, tiny-moe on {args.nproc} trainer rank(s), "
-          f"{cfg.rl.groups_per_step} groups x {cfg.rl.samples_per_prompt} samples, "
+          f"{cfg.rl.sampling.groups_per_step} groups x "
+          f"{cfg.rl.sampling.samples_per_prompt} samples, "
           f"{cfg.rl.agent} agent, max_turns {cfg.rl.max_turns}")
     print(f"{'step s':>8} {'generate':>9} {'fwd/bwd':>8} {'other':>8} {'overhead':>9}")
     shares = []

@@ -46,8 +46,8 @@ def main() -> None:
     from megatron_rl.checkpoint.training_checkpoint import save_checkpoint
     from megatron_rl.config.loader import load_config
     from megatron_rl.distributed.process_groups import init_distributed
-    from megatron_rl.rollout.weight_sync import WeightSyncer, gatherer_for
     from megatron_rl.trainer.actor import MegatronActor
+    from megatron_rl.trainer.weight_sync import WeightSyncer, gatherer_for
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -60,7 +60,7 @@ def main() -> None:
         save_checkpoint(actor, tmp / "ckpt")
         export_hf(str(tmp / "ckpt"), str(tmp / "hf"), str(spec), progress=False)
         server = subprocess.Popen(
-            [sys.executable, "-m", "megatron_rl.rollout.engines.embedded", "--model",
+            [sys.executable, "-m", "megatron_rl.engines.embedded", "--model",
              str(tmp / "hf"), "--port", "0"], stdout=subprocess.PIPE, text=True)
         try:
             url = next(line for line in server.stdout if "http://" in line).split()[-1]

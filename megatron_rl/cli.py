@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from megatron_rl.checkpoint.errors import CheckpointError, HFCheckpointError, WeightMapError
 from megatron_rl.config.loader import ConfigError, load_config, to_yaml
 
 
+def _load(recipe: str, overrides: list[str]):
+    """The recipe's config, its registry fields checked against every role's registry."""
+    import megatron_rl.tasks  # noqa: F401  (creates the registries)
+
+    return load_config(recipe, overrides)
+
+
 def _config_show(args: argparse.Namespace) -> int:
-    cfg = load_config(args.recipe, args.overrides)
+    cfg = _load(args.recipe, args.overrides)
     print(to_yaml(cfg), end="")
     return 0
 
@@ -107,19 +117,47 @@ def _search_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _trainer_ranks(nproc: int, backend: str) -> Iterator[Any]:
+    """The trainer ranks as a job group: `nproc` local gloo ranks, or, under torchrun, the
+    ranks it started (rank 0 gets the group and drives; every other rank follows rank 0's jobs
+    until it is done, and gets None)."""
+    if "RANK" not in os.environ:
+        from megatron_rl.distributed.worker_pool import WorkerPool
+
+        with WorkerPool(nproc) as pool:
+            yield pool
+        return
+    from megatron_rl.distributed.process_groups import init_distributed
+    from megatron_rl.distributed.spmd import TorchrunGroup
+
+    init_distributed(backend)
+    group = TorchrunGroup()
+    if group.rank != 0:
+        group.follow()
+        yield None
+        return
+    try:
+        yield group
+    finally:
+        group.close()
+
+
 def _train(args: argparse.Namespace) -> int:
     from megatron_rl.distributed.process_groups import min_world_size
-    from megatron_rl.distributed.worker_pool import WorkerPool
     from megatron_rl.train import train
     from megatron_rl.utils.logs import quiet_libraries
 
     quiet_libraries()
-    cfg = load_config(args.recipe, args.overrides)
+    cfg = _load(args.recipe, args.overrides)
     nproc = args.nproc or min_world_size(cfg.parallel)
-    print(f"[megatron-rl] RL: {cfg.rl.agent} agent, {cfg.model.name} on {nproc} trainer "
-          f"rank(s), {cfg.train.steps} steps", flush=True)
-    with WorkerPool(nproc) as pool:
-        rows = train(cfg, pool)
+    with _trainer_ranks(nproc, cfg.parallel.backend) as group:
+        if group is None:  # a torchrun rank other than 0: it served rank 0's jobs
+            return 0
+        print(f"[megatron-rl] RL: {cfg.rl.agent} agent, {cfg.model.name} on "
+              f"{getattr(group, 'world_size', nproc)} trainer rank(s), {cfg.train.steps} steps",
+              flush=True)
+        rows = train(cfg, group)
     if rows:
         print(f"[megatron-rl] pass rate {rows[0]['rollout/pass_rate']:.3f} -> "
               f"{rows[-1]['rollout/pass_rate']:.3f} over {len(rows)} steps; "
@@ -174,8 +212,8 @@ def _quickstart(args: argparse.Namespace) -> int:
                                  f"checkpoint.dir={out}/search/checkpoints"])]
     with WorkerPool(args.nproc) as pool:
         for recipe, overrides in runs:
-            cfg = load_config(recipe, [*overrides, *args.overrides])
-            agent = cfg.rl.agent if cfg.rl.task == "search" else "one-message"
+            cfg = _load(recipe, [*overrides, *args.overrides])
+            agent = cfg.rl.agent
             print(f"[quickstart] {recipe}: {cfg.rl.task} task, {agent} agent, "
                   f"{cfg.train.steps} steps", flush=True)
             rows = train(cfg, pool)

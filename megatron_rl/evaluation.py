@@ -112,11 +112,11 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     from megatron_rl.agents.context import for_eval
     from megatron_rl.agents.itersynth import IterSynthAgent
     from megatron_rl.agents.react import ReActAgent
-    from megatron_rl.rewards.client import ChatClient, ClientConfig
+    from megatron_rl.engines.base import SamplingParams
+    from megatron_rl.engines.openai_chat import OpenAIChatEngine
     from megatron_rl.rewards.composite import build_judge, judge_trajectory
     from megatron_rl.rewards.taxonomy import taxonomy_metrics
-    from megatron_rl.rollout.engines.base import SamplingParams
-    from megatron_rl.rollout.engines.openai_chat import OpenAIChatEngine
+    from megatron_rl.utils.chat_client import ChatClient, ClientConfig
 
     agents = {"itersynth": IterSynthAgent, "react": ReActAgent}
     if cfg.agent not in agents:

@@ -1,14 +1,15 @@
 """`megatron-rl train RECIPE [overrides]`: the RL loop, top-down.
 
-rollout (agent × engine × tools) → judge → per-turn advantages → Megatron update → weight sync.
+rollout (agent × engine × tools) → judge → reward shaping → per-turn advantages → Megatron
+update (PPO mini-batches) → weight sync.
 
-The driver process owns the rollout side: the generated world and its search index (the
-embedded default), the engine, the agent, the judge and the scheduler with its rollout forest.
-The trainer ranks (a local gloo worker pool, or torchrun) own the Megatron actor
-(`trainer/remote.py`) and push their weights into the engine after every update, stamped with
-the step as the weight version. A checkpoint holds both sides: the actor's model, optimizer and
-RNG, and the driver's data cursor, requeued groups, forest and entropy controller, so a killed
-run resumes where its last checkpoint was.
+The driver process owns the rollout side: the task (prompts, agent, judge; the generated world
+and its search index by default), the engines and the scheduler with its rollout forest, all in
+one event loop for the life of the run. The trainer ranks (a local worker pool, or torchrun)
+each keep a `TrainerWorker` and push their weights into the engines after every update,
+stamped with the step as the weight version. A checkpoint holds both sides: the actor's model,
+optimizer and RNG, and the driver's data cursor, requeued groups, forest and entropy
+controller, so a killed run resumes where its last checkpoint was.
 """
 
 from __future__ import annotations
@@ -20,20 +21,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
+from megatron_rl.algorithms.entropy import EntropyPIController
+from megatron_rl.algorithms.reward_managers import needs
 from megatron_rl.config.schema import Config
+from megatron_rl.distributed.spmd import RankObjects, SPMDGroup
+from megatron_rl.engines.launch import start_engines
+from megatron_rl.evaluation import evaluate_prompts
+from megatron_rl.models.registry import get_model_spec
+from megatron_rl.rewards.shaping import shape_rewards
+from megatron_rl.rewards.taxonomy import taxonomy_metrics
+from megatron_rl.rollout.scheduler import RolloutScheduler
+from megatron_rl.tasks import build_task
+from megatron_rl.trainer.batching import rl_batch
+from megatron_rl.trainer.worker import TrainerWorker
+from megatron_rl.utils.metrics import MetricsLogger, truncate_jsonl
 
 CONSOLE = ("reward/outcome_mean", "rollout/pass_rate", "loss", "grad_norm", "entropy",
            "time/rollout", "eval/pass_rate")
 CURVES = ("reward/outcome_mean", "rollout/pass_rate", "eval/outcome_mean", "loss", "grad_norm",
           "entropy", "mismatch/train_rollout_logprob_abs_diff", "rollout/turns_mean",
           "time/step")
-
-
-async def _with(engines: Any, work: Any) -> Any:
-    try:
-        return await work
-    finally:
-        await engines.end_loop()
 
 
 def _dump(path: Path, step: int, trajectories: list[Any]) -> None:
@@ -47,72 +55,62 @@ def _dump(path: Path, step: int, trajectories: list[Any]) -> None:
             f.write(json.dumps({"step": step, **row}) + "\n")
 
 
-def train(cfg: Config, pool: Any) -> list[dict[str, Any]]:
-    """The loop; `pool.run(fn, *args)` runs `fn` on every trainer rank."""
-    from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
-    from megatron_rl.algorithms.entropy import EntropyPIController
-    from megatron_rl.evaluation import evaluate_prompts
-    from megatron_rl.models.registry import get_model_spec
-    from megatron_rl.rewards.taxonomy import taxonomy_metrics
-    from megatron_rl.rl_setup import build_task, start_engines
-    from megatron_rl.rollout.batching import rl_batch
-    from megatron_rl.rollout.scheduler import RolloutScheduler, SchedulerConfig
-    from megatron_rl.trainer import remote
-    from megatron_rl.utils.metrics import MetricsLogger, truncate_jsonl
-
+def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
+    """The loop; `group.run(fn, *args)` runs `fn` on every trainer rank."""
     rl, out = cfg.rl, Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     spec = get_model_spec(cfg.model.name)
     tokenizer = tiny_qwen3_tokenizer(vocab_size=spec.vocab_size)
-    info = pool.run(remote.init, cfg)[0]
     rows = []
-    with contextlib.ExitStack() as cleanup:  # runs backwards: logger, engines, ranks
-        cleanup.callback(pool.run, remote.close)
+    with asyncio.Runner() as loop, contextlib.ExitStack() as cleanup:  # unwinds backwards
+        trainer = RankObjects(group, TrainerWorker, cfg)
+        cleanup.callback(trainer.close)
+        info = trainer.call("describe")[0]
         progress, start = info["progress"], int(info["progress"].get("step", 0))
         engines = start_engines(cfg, spec, tokenizer)
         cleanup.callback(engines.stop)
+        cleanup.callback(loop.run, engines.aclose())
         task = build_task(cfg, tokenizer, out, engines.aux_urls)
-        pool.run(remote.connect, engines.urls)
-        pool.run(remote.sync, start)
-        engine = engines.policy
-        scheduler = RolloutScheduler(
-            task.agent, engine, None, task.prompts,
-            SchedulerConfig(rl.samples_per_prompt, rl.groups_per_step, rl.oversample,
-                            rl.dynamic_sampling, partial_rollout=rl.partial_rollout),
-            score=task.score)
-        entropy = EntropyPIController(rl.entropy_target, rl.entropy_kp, rl.entropy_ki,
-                                      init_coef=rl.entropy_coef) if rl.entropy_target else None
+        cleanup.callback(loop.run, task.aclose())
+        trainer.call("connect", engines.urls)
+        trainer.call("sync", start)
+        scheduler = RolloutScheduler(task.agent, engines.policy, task.prompts, task.score,
+                                     rl.sampling)
+        entropy = EntropyPIController.from_config(rl.entropy_control, rl.loss.entropy_coef) \
+            if rl.entropy_control.target else None
         if progress.get("rollout"):
             scheduler.load_state_dict(progress["rollout"])
         if entropy and progress.get("entropy_control"):
             entropy.load_state_dict(progress["entropy_control"])
-        coef = entropy.coef if entropy and entropy.coef is not None else rl.entropy_coef
+        coef = entropy.coef if entropy and entropy.coef is not None else rl.loss.entropy_coef
         logger = MetricsLogger(out, resume_from=start or None, sinks=rl.loggers)
         cleanup.callback(logger.close)
         truncate_jsonl(out / "trajectories.jsonl", start or None)
         for step in range(start, cfg.train.steps):
             t0, busy = time.perf_counter(), engines.busy_seconds()
-            rollouts = asyncio.run(_with(engines, scheduler.collect(step)))
+            rollouts = loop.run(scheduler.collect(step))
             trajs = rollouts.trajectories
             metrics = {**rollouts.metrics, **taxonomy_metrics(trajs)}
             if busy is not None:
                 metrics["time/generate"] = engines.busy_seconds() - busy
             t1 = time.perf_counter()
+            shape_rewards(trajs, needs=needs(rl.reward_manager),
+                          overlong_budget=rl.max_turns * rl.max_new_tokens,
+                          overlong_buffer=rl.overlong_buffer)
             batch, adv_metrics = rl_batch(trajs, rl, seq_length=cfg.model.seq_length,
                                           rows_multiple=info["dp"] * cfg.train.micro_batch_size)
             metrics.update(adv_metrics)
-            with engines.schedule.training_sync() if engines.schedule else \
-                    contextlib.nullcontext():
-                metrics.update(pool.run(remote.update, batch, coef)[0] if batch
+            with engines.parked(loop):
+                metrics.update(trainer.call("update", batch, coef)[0] if batch
                                else {"skipped": 1.0})
             t2 = time.perf_counter()
-            metrics.update(pool.run(remote.sync, step + 1)[0])
+            metrics.update(trainer.call("sync", step + 1)[0])
             t3 = time.perf_counter()
             if entropy is not None and "entropy" in metrics:
                 coef = entropy.update(metrics["entropy"])
             if rl.eval_every and (step + 1) % rl.eval_every == 0:
-                metrics.update(asyncio.run(_with(engines, evaluate_prompts(
-                    task.eval_agent, engine, task.score, task.held_out))))
+                metrics.update(loop.run(evaluate_prompts(
+                    task.eval_agent, engines.policy, task.score, task.held_out)))
             metrics.update({"entropy_coef": coef, "time/rollout": t1 - t0,
                             "time/train": t2 - t1, "time/sync": t3 - t2,
                             "time/step": time.perf_counter() - t0,
@@ -122,7 +120,7 @@ def train(cfg: Config, pool: Any) -> list[dict[str, Any]]:
             rows.append(metrics)
             if cfg.checkpoint.dir and cfg.checkpoint.save_every and \
                     (step + 1) % cfg.checkpoint.save_every == 0:
-                pool.run(remote.save, {
+                trainer.call("save", {
                     "rollout": scheduler.state_dict(),
                     "entropy_control": entropy.state_dict() if entropy else None})
         logger.plot(CURVES, "rl_curves.png")

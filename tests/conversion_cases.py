@@ -10,8 +10,8 @@ from megatron_rl.checkpoint.convert import export_hf, import_hf
 from megatron_rl.checkpoint.training_checkpoint import load_checkpoint
 from megatron_rl.config.loader import load_config
 from megatron_rl.models.registry import get_model_spec
+from megatron_rl.records.batch import TokenBatch
 from megatron_rl.trainer.actor import MegatronActor
-from megatron_rl.trainer.batch import TokenBatch
 
 __all__ = ["export_hf", "import_hf"]
 

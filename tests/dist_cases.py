@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from megatron_rl.checkpoint.training_checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.config.loader import load_config
+from megatron_rl.records.batch import TokenBatch
 from megatron_rl.trainer.actor import MegatronActor
-from megatron_rl.trainer.batch import TokenBatch
 from megatron_rl.trainer.losses import lm_loss
 
 # adam_eps: Adam's first step is lr*g/(|g|+eps), a near-sign function. For gradient entries

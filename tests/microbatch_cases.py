@@ -6,18 +6,13 @@ import dataclasses
 
 import torch
 
-from megatron_rl.algorithms.policy_loss import (
-    ADVANTAGES,
-    OLD_LOGPROBS,
-    PolicyLossConfig,
-    make_policy_loss_fn,
-)
+from megatron_rl.algorithms.policy_loss import PolicyLossConfig, make_policy_loss_fn
 from megatron_rl.checkpoint.training_checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.config.loader import load_config
 from megatron_rl.models.registry import get_model_spec
+from megatron_rl.records.batch import ADVANTAGES, OLD_LOGPROBS, TokenBatch
 from megatron_rl.trainer import microbatching
 from megatron_rl.trainer.actor import MegatronActor
-from megatron_rl.trainer.batch import TokenBatch
 from megatron_rl.trainer.losses import lm_loss
 from tests import dist_cases
 
@@ -103,7 +98,7 @@ def replay_modes(overrides: list[str], init: str, modes: tuple[str, ...] = ("fix
     """MoE routing replay with packed extras: log-probs replaying a made-up routing (top-2 of
     4 experts per token and layer; -1 past each row = routed naturally) and without it, and
     one training step's loss and grad norm under replay."""
-    from megatron_rl.models.routing_replay import ROUTED_EXPERTS
+    from megatron_rl.records.batch import ROUTED_EXPERTS
 
     g = torch.Generator().manual_seed(3)
     batch = rl_batch()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.algorithms.advantages import trajectory_advantages
-from megatron_rl.algorithms.policy_loss import PolicyLossConfig
+from megatron_rl.algorithms.policy_loss import PolicyLossConfig, make_policy_loss_fn
 from megatron_rl.algorithms.rdpo import token_advantages
 from megatron_rl.algorithms.tis import TISConfig
 from megatron_rl.checkpoint.training_checkpoint import load_checkpoint
-from megatron_rl.rollout.batching import build_batch
-from megatron_rl.rollout.trajectory import Trajectory, Turn
-from megatron_rl.trainer.policy_update import policy_update
+from megatron_rl.records.trajectory import Trajectory, Turn
+from megatron_rl.trainer.batching import build_batch
+from megatron_rl.records.batch import OLD_LOGPROBS
+from megatron_rl.trainer.policy_update import policy_update, policy_update_steps
 from tests import dist_cases
 
 SEQ = 32  # model.seq_length: divisible by TP2 (sequence parallel)
@@ -52,3 +53,38 @@ def update(overrides: list[str], init: str) -> dict:
     m = batch.loss_mask
     delta = ((after - before) * m).sum(1) / m.sum(1).clamp(min=1)
     return {**metrics, "row_delta": delta.tolist()}
+
+
+def one_step_as_before(overrides: list[str], init: str) -> dict:
+    """K = 1 against the update as it was before mini-batches: old log-probs, then one
+    `train_step` of the loss (no TIS). Both from the same initial weights."""
+    loss = PolicyLossConfig()
+    out = {}
+    for how in ("policy_update", "train_step"):
+        actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
+                                       *overrides])
+        load_checkpoint(actor, init, optimizer=False, rng=False)
+        batch, _ = rollout_batch()
+        if how == "policy_update":
+            m = policy_update(actor, batch, loss, None, mini_batches=1, epochs=1,
+                              rows_multiple=2)
+        else:
+            old, _ = actor.compute_logprobs(batch)
+            batch.extras[OLD_LOGPROBS] = old
+            m = actor.train_step(batch, make_policy_loss_fn(loss))
+        after, _ = actor.compute_logprobs(batch)
+        out[how] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "lr": m["lr"],
+                    "step": m["step"], "after": after.tolist()}
+    return out
+
+
+def mini_batch_steps(overrides: list[str], init: str, k: int, epochs: int = 1) -> dict:
+    """The optimizer steps of one run step split into `k` PPO mini-batches."""
+    actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
+                                   *overrides])
+    load_checkpoint(actor, init, optimizer=False, rng=False)
+    batch, _ = rollout_batch()
+    steps, metrics = policy_update_steps(
+        actor, batch, PolicyLossConfig(clip_ratio_high=0.2), None, mini_batches=k,
+        epochs=epochs, rows_multiple=2)
+    return {"steps": steps, "metrics": metrics, "optimizer_steps": actor.optimizer_steps}

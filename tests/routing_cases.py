@@ -8,8 +8,7 @@ from typing import Any
 import torch
 
 from megatron_rl.checkpoint.training_checkpoint import load_checkpoint
-from megatron_rl.models.routing_replay import ROUTED_EXPERTS
-from megatron_rl.trainer.batch import TokenBatch
+from megatron_rl.records.batch import ROUTED_EXPERTS, TokenBatch
 from megatron_rl.trainer.losses import lm_loss
 from tests import dist_cases
 

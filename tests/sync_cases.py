@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpoint.training_checkpoint import load_checkpoint
-from megatron_rl.rollout.engines.base import GenerateRequest, SamplingParams
-from megatron_rl.rollout.engines.http_client import HttpEngine
-from megatron_rl.rollout.weight_sync import WeightSyncer, gatherer_for
-from megatron_rl.trainer.batch import TokenBatch
+from megatron_rl.engines.base import GenerateRequest, SamplingParams
+from megatron_rl.engines.http_client import HttpEngine
+from megatron_rl.records.batch import TokenBatch
 from megatron_rl.trainer.losses import lm_loss
+from megatron_rl.trainer.weight_sync import WeightSyncer, gatherer_for
 from tests import dist_cases
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12]

@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_rl.agents.chat import TRUNCATED, ChatFormat, UnsafeTextError
-from megatron_rl.agents.testing import DictSearch, DictVisit
 from megatron_rl.agents.tokenizer import ADDED_TOKENS, SPECIAL_TOKENS, tiny_qwen3_tokenizer
 from megatron_rl.env.base import tool_spec
+from tests.fakes import DictSearch, DictVisit
 
 TOK = tiny_qwen3_tokenizer()
 CHAT = ChatFormat(TOK)

@@ -17,12 +17,12 @@ import pytest
 
 from megatron_rl.agents import AgentConfig, IterSynthAgent, ReActAgent
 from megatron_rl.agents.itersynth import SYNTHESIZER_PROMPT
-from megatron_rl.agents.testing import DEMO_PAGES, PARIS, DictSearch, DictVisit, ScriptedEngine
-from megatron_rl.agents.testing import tool_call_text as call
-from megatron_rl.rollout.engines.base import GenerateRequest, GenerateResult, SamplingParams
-from megatron_rl.rollout.engines.embedded import EmbeddedServer
-from megatron_rl.rollout.engines.http_client import HttpEngine
-from megatron_rl.rollout.trajectory import LABELS, Trajectory
+from megatron_rl.engines.base import GenerateRequest, GenerateResult, SamplingParams
+from megatron_rl.engines.embedded import EmbeddedServer
+from megatron_rl.engines.http_client import HttpEngine
+from megatron_rl.records.trajectory import LABELS, Trajectory
+from tests.fakes import DEMO_PAGES, PARIS, DictSearch, DictVisit, ScriptedEngine
+from tests.fakes import tool_call_text as call
 from tests.test_agents_react import QUESTION, TOK, assert_chained
 from tests.test_engine_embedded import tiny_model
 

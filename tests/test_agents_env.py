@@ -7,12 +7,12 @@ import asyncio
 import re
 
 from megatron_rl.agents import AgentConfig, IterSynthAgent, ReActAgent
-from megatron_rl.agents.testing import ScriptedEngine
-from megatron_rl.agents.testing import tool_call_text as call
 from megatron_rl.data.world import BASE_URL, build_world_index, generate_world
+from megatron_rl.engines.base import SamplingParams
 from megatron_rl.env.search import LocalSearch
 from megatron_rl.env.visit import ExtractiveSummarizer, LocalPages, Visit
-from megatron_rl.rollout.engines.base import SamplingParams
+from tests.fakes import ScriptedEngine
+from tests.fakes import tool_call_text as call
 from tests.test_agents_react import TOK, assert_chained
 
 URL = re.compile(re.escape(BASE_URL) + r"[^\s)]+")

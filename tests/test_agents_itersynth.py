@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from megatron_rl.agents import IterSynthAgent
 from megatron_rl.agents.itersynth import NO_NOTES
-from megatron_rl.agents.testing import PARIS
-from megatron_rl.agents.testing import tool_call_text as call
-from megatron_rl.rollout.trajectory import Trajectory
+from megatron_rl.records.trajectory import Trajectory
+from tests.fakes import PARIS
+from tests.fakes import tool_call_text as call
 from tests.test_agents_react import ANSWER, QUESTION, TOK, episode
 
 NOTES_1 = "Search: Paris is a likely answer (https://en.wikipedia.org/wiki/Paris)."

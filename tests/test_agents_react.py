@@ -9,18 +9,18 @@ from typing import Any, ClassVar
 import pytest
 
 from megatron_rl.agents import Agent, AgentConfig, ReActAgent, RetryAgent, for_eval
-from megatron_rl.agents.testing import (
+from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
+from megatron_rl.engines.base import EngineError, SamplingParams
+from megatron_rl.env.base import ToolResult
+from megatron_rl.records.trajectory import Trajectory
+from tests.fakes import (
     DEMO_PAGES,
     PARIS,
     DictSearch,
     DictVisit,
     ScriptedEngine,
 )
-from megatron_rl.agents.testing import tool_call_text as call
-from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
-from megatron_rl.env.base import ToolResult
-from megatron_rl.rollout.engines.base import EngineError, SamplingParams
-from megatron_rl.rollout.trajectory import Trajectory
+from tests.fakes import tool_call_text as call
 
 TOK = tiny_qwen3_tokenizer()
 QUESTION = "What is the capital of France?"

@@ -12,7 +12,7 @@ from megatron_rl.algorithms.advantages import (
     group_normalize,
     trajectory_advantages,
 )
-from megatron_rl.rollout.trajectory import Trajectory, Turn
+from megatron_rl.records.trajectory import Trajectory, Turn
 
 
 def _traj(uid: str, group: str, outcome: float | None, *labels: str) -> Trajectory:

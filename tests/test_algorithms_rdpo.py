@@ -12,8 +12,8 @@ from megatron_rl.algorithms.rdpo import (
     rdpo_advantages,
     token_advantages,
 )
+from megatron_rl.records.trajectory import Trajectory, Turn
 from megatron_rl.rewards.composite import RewardWeights
-from megatron_rl.rollout.trajectory import Trajectory, Turn
 
 
 def _turn(role: str, rubric: float | None = None, ctx: list[int] | None = None,

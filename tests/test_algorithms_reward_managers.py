@@ -11,15 +11,22 @@ import pytest
 from megatron_rl.algorithms.rdpo import end_to_end_advantages
 from megatron_rl.algorithms.reward_managers import (
     REWARD_MANAGERS,
-    contains,
-    fact_recall,
-    facts_by_turn,
     intermediate_fact_turn_advantages,
-    process_checks,
+    needs,
     turn_advantages,
 )
 from megatron_rl.data.world import generate_world
-from megatron_rl.rollout.trajectory import ToolCall, Trajectory, Turn
+from megatron_rl.records.trajectory import ToolCall, Trajectory, Turn
+from megatron_rl.rewards.process import contains, fact_recall, facts_by_turn, process_checks
+from megatron_rl.rewards.shaping import shape_rewards
+
+MANAGERS = REWARD_MANAGERS.names()
+
+
+def _adv(name: str, trajectories: list[Trajectory], **kw):
+    """As the driver runs a manager: the reward writers it needs, then its advantages."""
+    shape_rewards(trajectories, needs=needs(name))
+    return turn_advantages(name, trajectories, **kw)
 
 
 def _turn(role: str = "agent", text: str = "", calls: list[ToolCall] | None = None,
@@ -83,17 +90,17 @@ def test_c_grpo_advantages():
     # reward = outcome + 0.5 * process:
     #   A 1 + 0.5 = 1.5   B 1 + 1/3 = 4/3   C 0 + 1/3   D 0 + 1/3   E 1 + 0 = 1
     #   sum 4.5, mean 0.9 -> Dr.GRPO [0.6, 0.433333, -0.566667, -0.566667, 0.1]
-    adv, m = turn_advantages("c_grpo", _c_grpo_group(), estimator="dr_grpo")
+    adv, m = _adv("c_grpo", _c_grpo_group(), estimator="dr_grpo")
     assert adv == [_approx([0.6, 0.6]), _approx([13 / 30] * 2), _approx([-17 / 30] * 2),
                    _approx([-17 / 30] * 2), _approx([0.1])]
     assert m["reward/process_mean"] == pytest.approx(0.6)  # (1 + 3 * 2/3 + 0) / 5
     assert m["reward/retrieval_mean"] == pytest.approx(0.6)
     assert m["reward/agent_mean"] == pytest.approx((1.5 * 2 + 4 / 3 * 2 + 2 / 3 * 2 + 1) / 9)
     # process weight 1: A 2, B 5/3, C 2/3, D 2/3, E 1; mean 6/5 -> [0.8, 7/15, -8/15, -8/15, -0.2]
-    adv, _ = turn_advantages("c_grpo", _c_grpo_group(), estimator="dr_grpo", process_weight=1.0)
+    adv, _ = _adv("c_grpo", _c_grpo_group(), estimator="dr_grpo", process_weight=1.0)
     assert [a[0] for a in adv] == pytest.approx([0.8, 7 / 15, -8 / 15, -8 / 15, -0.2])
     # process weight 0 is plain outcome GRPO: outcomes [1, 1, 0, 0, 1], mean 0.6
-    adv, _ = turn_advantages("c_grpo", _c_grpo_group(), estimator="dr_grpo", process_weight=0)
+    adv, _ = _adv("c_grpo", _c_grpo_group(), estimator="dr_grpo", process_weight=0)
     assert [a[0] for a in adv] == pytest.approx([0.4, 0.4, -0.6, -0.6, 0.4])
 
 
@@ -151,13 +158,13 @@ def test_fact_recall_and_first_surfacing():
 
 def test_intermediate_fact_advantages():
     # reward = outcome + 0.5 * recall: P 1.5, Q 0.25, R 0; mean 1.75 / 3
-    adv, m = turn_advantages("intermediate_fact", _fact_group(), estimator="dr_grpo")
+    adv, m = _adv("intermediate_fact", _fact_group(), estimator="dr_grpo")
     mean = 1.75 / 3
     assert adv == [_approx([1.5 - mean] * 3), _approx([0.25 - mean] * 2), _approx([-mean])]
     assert m["reward/fact_recall"] == pytest.approx(0.5)
     # a trajectory without facts: outcome only, and left out of the recall metric
     group = [*_fact_group(), _traj("S", 1.0, [_turn(text="Velton")])]
-    adv, m = turn_advantages("intermediate_fact", group, estimator="dr_grpo")
+    adv, m = _adv("intermediate_fact", group, estimator="dr_grpo")
     mean = (1.5 + 0.25 + 0 + 1) / 4
     assert [a[0] for a in adv] == pytest.approx([1.5 - mean, 0.25 - mean, -mean, 1 - mean])
     assert m["reward/fact_recall"] == pytest.approx(0.5)
@@ -166,7 +173,9 @@ def test_intermediate_fact_advantages():
 def test_intermediate_fact_per_turn_crediting():
     # turn reward = outcome + 0.5 * (new facts) / 2:
     #   P [1.25, 1.25, 1.0], Q [0.25, 0.0], R [0.0]; one (g, agent) pool, mean 3.75 / 6 = 0.625
-    adv = intermediate_fact_turn_advantages(_fact_group(), estimator="dr_grpo")
+    group = _fact_group()
+    shape_rewards(group, needs=("facts",))
+    adv = intermediate_fact_turn_advantages(group, estimator="dr_grpo")
     assert adv == [_approx([0.625, 0.625, 0.375]), _approx([-0.375, -0.625]),
                    _approx([-0.625])]
 
@@ -180,16 +189,16 @@ def test_env_failures_and_max_turns_exclusion():
     judge = _react("J", 1.0, [_obs(FOUND)], "Marburg")
     judge.rewards.clear()
     judge.add_label("judge_error")
-    for name in REWARD_MANAGERS:
-        ref, _ = turn_advantages(name, base, estimator="dr_grpo")
-        adv, m = turn_advantages(name, [*base, env, judge], estimator="dr_grpo")
+    for name in MANAGERS:
+        ref, _ = _adv(name, base, estimator="dr_grpo")
+        adv, m = _adv(name, [*base, env, judge], estimator="dr_grpo")
         assert adv[:5] == ref, name                      # not in the group statistics
         assert adv[5:] == [[None, None], [None, None]], name
         assert m["adv/excluded_fraction"] == pytest.approx(2 / 7)
     # max_turns: stays in the statistics, out of the loss with the switch
     capped = _c_grpo_group()
     capped[0].add_label("max_turns")
-    adv, m = turn_advantages("c_grpo", capped, estimator="dr_grpo",
+    adv, m = _adv("c_grpo", capped, estimator="dr_grpo",
                              exclude_max_turns_from_loss=True)
     assert adv[0] == [None, None] and adv[4] == _approx([0.1])
     assert m["adv/masked_fraction"] == pytest.approx(1 / 5)
@@ -215,14 +224,14 @@ def _react_shaped(uid: str, outcome: float, good: bool, *labels: str) -> Traject
     return _traj(uid, outcome, turns, *labels, answer=answer, facts=["Kalo Mirtan"])
 
 
-@pytest.mark.parametrize("name", REWARD_MANAGERS)
+@pytest.mark.parametrize("name", MANAGERS)
 def test_every_manager_on_both_shapes(name):
     itersynth = [_itersynth("i0", 1.0, 0.9, True), _itersynth("i1", 0.0, 0.1, False),
                  _itersynth("i2", 1.0, 0.9, True, "visit_error")]
     react = [_react_shaped("r0", 1.0, True), _react_shaped("r1", 0.0, False),
              _react_shaped("r2", 0.0, False, "overlong")]
     for group, roles in ((itersynth, ("planner", "synthesizer")), (react, ("agent",))):
-        adv, m = turn_advantages(name, group)
+        adv, m = _adv(name, group)
         assert [len(a) for a in adv] == [len(t.turns) for t in group]
         # the good trajectory is better on every reward part: positive on every turn
         assert all(a > 0 for a in adv[0]) and all(a < 0 for a in adv[1]), (name, adv)
@@ -233,13 +242,13 @@ def test_every_manager_on_both_shapes(name):
 
 def test_grpo_is_end_to_end():
     group = _c_grpo_group()
-    adv, _ = turn_advantages("grpo", group, estimator="rloo")
+    adv, _ = _adv("grpo", group, estimator="rloo")
     assert adv == end_to_end_advantages(group, estimator="rloo")
-    assert adv == turn_advantages("end_to_end", group, estimator="rloo")[0]
+    assert adv == _adv("end_to_end", group, estimator="rloo")[0]
     # GRPO (unbiased std): outcomes [1, 1, 0, 0, 1], mean 0.6, std sqrt(1.2 / 4)
-    assert [a[0] for a in adv] != [a[0] for a in turn_advantages("grpo", group)[0]]
+    assert [a[0] for a in adv] != [a[0] for a in _adv("grpo", group)[0]]
     s = math.sqrt(1.2 / 4) + 1e-6
-    assert [a[0] for a in turn_advantages("grpo", group)[0]] == pytest.approx(
+    assert [a[0] for a in _adv("grpo", group)[0]] == pytest.approx(
         [0.4 / s, 0.4 / s, -0.6 / s, -0.6 / s, 0.4 / s])
 
 
@@ -250,21 +259,22 @@ def test_rdpo_and_mixed_differ():
     t2 = _traj("t2", 0.0, [_turn("planner", rubric=0.4), _turn("synthesizer")])
     kw = {"estimator": "dr_grpo", "rubric_weight": 0.5}
     # role pools: planner mean 0.8, synthesizer mean 0.65
-    adv, m = turn_advantages("rdpo", [t1, t2], **kw)
+    adv, m = _adv("rdpo", [t1, t2], **kw)
     assert adv == [_approx([0.6, 0.65]), _approx([-0.6, -0.65])]
     assert (m["reward/planner_mean"], m["reward/planner_std"]) == pytest.approx((0.8, 0.6))
     assert (m["reward/synthesizer_mean"], m["reward/synthesizer_std"]) == pytest.approx(
         (0.65, 0.65))
     # one pool [1.4, 1.3, 0.2, 0.0], mean 0.725
-    mixed, _ = turn_advantages("rdpo_mixed", [t1, t2], **kw)
+    mixed, _ = _adv("rdpo_mixed", [t1, t2], **kw)
     assert mixed == [_approx([0.675, 0.575]), _approx([-0.525, -0.725])]
     # outcome only: both pools [1, 0]
-    assert turn_advantages("pipeline_outcome", [t1, t2], **kw)[0] == [[0.5, 0.5], [-0.5, -0.5]]
+    assert _adv("pipeline_outcome", [t1, t2], **kw)[0] == [[0.5, 0.5], [-0.5, -0.5]]
 
 
 def test_unknown_manager():
-    with pytest.raises(ValueError, match="'ppo'.*grpo, rdpo, rdpo_mixed, .*intermediate_fact"):
-        turn_advantages("ppo", _c_grpo_group())
+    with pytest.raises(ValueError, match="rl.reward_manager='ppo': unknown reward_manager; "
+                                         "one of c_grpo, .*rdpo_mixed, or an import path"):
+        _adv("ppo", _c_grpo_group())
 
 
 def test_world_questions_carry_their_bridge_facts():

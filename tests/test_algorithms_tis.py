@@ -72,4 +72,4 @@ def test_bad_config():
     with pytest.raises(ValueError, match="mode"):
         TISConfig(mode="clip")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="threshold"):
-        TISConfig(threshold=0.0)
+        rollout_is_weights(TRAIN, torch.zeros_like(TRAIN), MASK, TISConfig(threshold=0.0))

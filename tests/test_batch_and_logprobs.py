@@ -5,7 +5,7 @@ import torch
 
 from megatron_rl.data.synthetic import ArithmeticSequences
 from megatron_rl.models.logprobs import vocab_parallel_logprobs
-from megatron_rl.trainer.batch import TokenBatch
+from megatron_rl.records.batch import TokenBatch
 
 
 def test_token_batch_shapes_and_errors():

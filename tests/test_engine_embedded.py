@@ -21,12 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_rl.engines.base import EngineError, GenerateRequest, SamplingParams
+from megatron_rl.engines.embedded import EmbeddedServer
+from megatron_rl.engines.http_client import HttpEngine
+from megatron_rl.engines.sglang_schema import TypeChecker, load_fixture
+from megatron_rl.engines.tensors import encode_safetensors
 from megatron_rl.models.registry import get_model_spec
-from megatron_rl.rollout.engines.base import EngineError, GenerateRequest, SamplingParams
-from megatron_rl.rollout.engines.embedded import EmbeddedServer
-from megatron_rl.rollout.engines.http_client import HttpEngine
-from megatron_rl.rollout.engines.sglang_schema import TypeChecker, load_fixture
-from megatron_rl.rollout.engines.tensors import encode_safetensors
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [301, 4, 88], [12, 250, 251, 9, 10]]
 TOL = 1e-5
@@ -484,7 +484,7 @@ def test_chat_completions_serve_as_a_judge(model) -> None:
 
 def test_cli_serves_a_model_directory(model, tmp_path) -> None:
     model.save_pretrained(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.rollout.engines.embedded",
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.engines.embedded",
                              "--model", str(tmp_path), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -14,14 +14,14 @@ import ray
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.ray_placement import init_ray
-from megatron_rl.rollout.engines.base import (
+from megatron_rl.engines.base import (
     GenerateRequest,
     GenerateResult,
     RolloutEngine,
     SamplingParams,
 )
-from megatron_rl.rollout.engines.http_client import HttpEngine
-from megatron_rl.rollout.engines.ray_engine import EnginePool, launch_rollout
+from megatron_rl.engines.http_client import HttpEngine
+from megatron_rl.engines.ray_engine import EnginePool, launch_rollout
 from tests.test_engine_embedded import tiny_model
 
 PROMPTS = [[5, 17, 33, 2, 99], [301, 4, 88], [12, 250, 251, 9, 10, 11], [7, 7, 400]]

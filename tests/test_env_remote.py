@@ -24,14 +24,10 @@ from aiohttp import web
 
 from megatron_rl.env.base import ToolResult
 from megatron_rl.env.index import Page
-from megatron_rl.env.reliability import (
-    ReliabilityConfig,
-    SqliteCache,
-    open_cache,
-    parse_retry_after,
-)
+from megatron_rl.env.reliability import ReliabilityConfig, SqliteCache, open_cache
 from megatron_rl.env.search import HttpSearch, SerperSearch
 from megatron_rl.env.visit import ChatSummarizer, HttpPages, JinaReader, Visit
+from megatron_rl.utils.http import parse_retry_after
 
 FAST = dict(backoff_base_s=0.01, backoff_max_s=0.05, jitter=0.0)
 

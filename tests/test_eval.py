@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from megatron_rl.data.world import build_world_index, generate_world
+from megatron_rl.engines.openai_chat import chatml_messages
 from megatron_rl.evaluation import EvalConfig, read_questions, run_eval
-from megatron_rl.rollout.engines.openai_chat import chatml_messages
 
 
 class ScriptedChatModel:

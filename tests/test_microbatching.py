@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
+from megatron_rl.records.batch import TokenBatch
 from megatron_rl.trainer import microbatching as mbs
-from megatron_rl.trainer.batch import TokenBatch
 from tests import microbatch_cases as cases
 from tests.pools import get_pool
 

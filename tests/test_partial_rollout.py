@@ -10,13 +10,15 @@ import json
 import pytest
 
 from megatron_rl.agents import AgentConfig, IterSynthAgent, ReActAgent
-from megatron_rl.agents.testing import DEMO_PAGES, DictSearch, DictVisit, ScriptedEngine
-from megatron_rl.agents.testing import tool_call_text as call
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
+from megatron_rl.engines.base import SamplingParams
+from megatron_rl.records.prompt import Prompt
+from megatron_rl.rewards.composite import score_group
 from megatron_rl.rewards.rule import RuleJudge
-from megatron_rl.rollout.engines.base import SamplingParams
 from megatron_rl.rollout.forest import RolloutForest
-from megatron_rl.rollout.scheduler import Prompt, RolloutScheduler, SchedulerConfig
+from megatron_rl.rollout.scheduler import RolloutScheduler, SchedulerConfig
+from tests.fakes import DEMO_PAGES, DictSearch, DictVisit, ScriptedEngine
+from tests.fakes import tool_call_text as call
 
 TOK = tiny_qwen3_tokenizer()
 LONG_CALLS = 3  # tool calls the 'long' question makes before answering
@@ -58,7 +60,8 @@ def _scheduler(partial: bool, agent_cls=ReActAgent) -> RolloutScheduler:
     agent = agent_cls(TOK, [DictSearch(DEMO_PAGES), DictVisit(DEMO_PAGES)],
                       AgentConfig(max_turns=6, sampling=SamplingParams(max_new_tokens=64)))
     prompts = iter([Prompt("long 1", "Paris", "p0"), Prompt("quick 2", "Paris", "p1")])
-    return RolloutScheduler(agent, GateEngine(TOK), RuleJudge(), prompts,
+    judge = RuleJudge()
+    return RolloutScheduler(agent, GateEngine(TOK), prompts, lambda g: score_group(g, judge),
                             SchedulerConfig(samples_per_prompt=1, groups_per_step=1,
                                             oversample=2.0, dynamic_sampling=False,
                                             partial_rollout=partial))

@@ -46,3 +46,29 @@ def test_two_ranks_match_one(layout, reference):
     for got in get_pool(2).run(rl_cases.update, layout, init):
         for key in ("loss", "grad_norm", "mismatch/rollout_is_mean"):
             assert abs(got[key] - ref[key]) <= TOL * max(1.0, abs(ref[key])), (layout, key)
+
+
+def test_one_mini_batch_keeps_the_single_step_numbers(reference):
+    init, _ = reference
+    got = get_pool(1).run(rl_cases.one_step_as_before, [], init)[0]
+    assert got["policy_update"] == got["train_step"]  # bit for bit, after weights included
+
+
+def test_clip_binds_on_the_second_mini_batch(reference):
+    init, _ = reference
+    got = get_pool(1).run(rl_cases.mini_batch_steps, ["optim.lr=0.05"], init, 2)[0]
+    first, second = got["steps"]
+    print(f"\nmini-batch 1: {first}\nmini-batch 2: {second}")
+    assert got["optimizer_steps"] == 2 and got["metrics"]["step"] == 1.0
+    # the old log-probs are the weights that take the first step: ratio exactly 1
+    assert first["ratio"] == 1.0 and first["pg_clipfrac"] == 0.0 and first["ppo_kl"] == 0.0
+    # the second sees how far the first moved the policy, and the clip binds
+    assert second["ratio"] != 1.0 and second["pg_clipfrac"] > 0 and second["ppo_kl"] > 0
+    assert first["num_tokens"] + second["num_tokens"] == 12 + 14 + 16 + 18
+
+
+def test_ppo_epochs_repeat_the_mini_batches(reference):
+    init, _ = reference
+    got = get_pool(1).run(rl_cases.mini_batch_steps, [], init, 2, 2)[0]
+    assert got["optimizer_steps"] == 4 and len(got["steps"]) == 4
+    assert [s["num_tokens"] for s in got["steps"]] == [26, 34, 26, 34]  # rows (0, 1), (2, 3)

@@ -22,9 +22,9 @@ from megatron_rl.distributed.ray_placement import (
     probe_bundles,
     resolve_node_ip,
 )
-from megatron_rl.rollout.engines.base import GenerateRequest, SamplingParams
-from megatron_rl.rollout.engines.http_client import HttpEngine
-from megatron_rl.rollout.engines.ray_engine import launch_rollout
+from megatron_rl.engines.base import GenerateRequest, SamplingParams
+from megatron_rl.engines.http_client import HttpEngine
+from megatron_rl.engines.ray_engine import launch_rollout
 from tests.test_engine_embedded import tiny_model, tiny_tokenizer
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from megatron_rl.records.trajectory import ToolCall, Trajectory, Turn
 from megatron_rl.rewards.base import JUDGE_ERROR, Verdict
-from megatron_rl.rewards.client import ClientConfig
 from megatron_rl.rewards.composite import (
     RewardWeights,
     build_judge,
@@ -20,7 +20,7 @@ from megatron_rl.rewards.genrm import GenRMJudge
 from megatron_rl.rewards.rubric import RubricScorer
 from megatron_rl.rewards.rule import RuleJudge
 from megatron_rl.rewards.taxonomy import taxonomy_metrics
-from megatron_rl.rollout.trajectory import ToolCall, Trajectory, Turn
+from megatron_rl.utils.chat_client import ClientConfig
 from megatron_rl.utils.metrics import MetricsLogger
 from tests.test_rewards_fakes import FakeJudgeServer, rubric_reply
 

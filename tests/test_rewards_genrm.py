@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from megatron_rl.records.trajectory import Trajectory, Turn
 from megatron_rl.rewards.base import JUDGE_ERROR
-from megatron_rl.rewards.client import ChatClient, ClientConfig
 from megatron_rl.rewards.composite import score_group
 from megatron_rl.rewards.genrm import GenRMJudge, build_messages, parse_verdict
-from megatron_rl.rollout.trajectory import Trajectory, Turn
+from megatron_rl.utils.chat_client import ChatClient, ClientConfig
 from tests.test_rewards_fakes import FakeJudgeServer
 
 SECRET = "sk-test-7f3a9c21-DO-NOT-LEAK"
@@ -213,7 +213,7 @@ def test_embedded_engine_serves_as_genrm_judge() -> None:
     """A real tiny model behind the embedded server. With a zero LM head every logit ties and
     greedy decoding emits id 0 ("correct"): the verdict comes through the whole path. The
     random model's gibberish is unparseable: judge_error, with its exact text in the detail."""
-    from megatron_rl.rollout.engines.embedded import EmbeddedServer
+    from megatron_rl.engines.embedded import EmbeddedServer
     from tests.test_engine_embedded import tiny_model, tiny_tokenizer
 
     question, answer, reference = "q1 who wrote the note", "Ada", "Ada Lovelace"

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from megatron_rl.records.trajectory import ToolCall, Trajectory, Turn
 from megatron_rl.rewards.base import JUDGE_ERROR
-from megatron_rl.rewards.client import ClientConfig
 from megatron_rl.rewards.rubric import (
     ANCHORS,
     RUBRIC_DIR,
@@ -23,7 +23,7 @@ from megatron_rl.rewards.rubric import (
     load_rubrics,
     parse_scores,
 )
-from megatron_rl.rollout.trajectory import ToolCall, Trajectory, Turn
+from megatron_rl.utils.chat_client import ClientConfig
 from tests.test_rewards_fakes import FakeJudgeServer, rubric_reply
 
 

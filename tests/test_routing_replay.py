@@ -21,13 +21,13 @@ from megatron_rl.agents import AgentConfig, ReActAgent
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 from megatron_rl.algorithms.rdpo import SequenceAdvantages
 from megatron_rl.checkpoint.convert import export_hf
+from megatron_rl.engines.base import GenerateRequest, SamplingParams
+from megatron_rl.engines.embedded import EmbeddedServer
+from megatron_rl.engines.http_client import HttpEngine
 from megatron_rl.models.registry import get_model_spec
-from megatron_rl.models.routing_replay import ROUTED_EXPERTS
-from megatron_rl.rollout.batching import ROLLOUT_LOGPROBS, build_batch
-from megatron_rl.rollout.engines.base import GenerateRequest, SamplingParams
-from megatron_rl.rollout.engines.embedded import EmbeddedServer
-from megatron_rl.rollout.engines.http_client import HttpEngine
-from megatron_rl.rollout.trajectory import Trajectory, Turn
+from megatron_rl.records.batch import ROLLOUT_LOGPROBS, ROUTED_EXPERTS
+from megatron_rl.records.trajectory import Trajectory, Turn
+from megatron_rl.trainer.batching import build_batch
 from tests import dist_cases, routing_cases
 from tests.pools import get_pool
 

@@ -8,11 +8,13 @@ import collections
 import re
 
 from megatron_rl.agents import AgentConfig, ReActAgent
-from megatron_rl.agents.testing import DEMO_PAGES, DictSearch, DictVisit, ScriptedEngine
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
+from megatron_rl.engines.base import SamplingParams
+from megatron_rl.records.prompt import Prompt
+from megatron_rl.rewards.composite import score_group
 from megatron_rl.rewards.rule import RuleJudge
-from megatron_rl.rollout.engines.base import SamplingParams
-from megatron_rl.rollout.scheduler import Prompt, RolloutScheduler, SchedulerConfig
+from megatron_rl.rollout.scheduler import RolloutScheduler, SchedulerConfig
+from tests.fakes import DEMO_PAGES, DictSearch, DictVisit, ScriptedEngine
 
 TOK = tiny_qwen3_tokenizer()
 
@@ -42,12 +44,15 @@ def _scheduler(questions, config, engine_cls=ScriptedEngine):
     agent = ReActAgent(TOK, [DictSearch(DEMO_PAGES), DictVisit(DEMO_PAGES)],
                        AgentConfig(sampling=SamplingParams(max_new_tokens=64)))
     prompts = iter([Prompt(q, "Paris", f"p{i}") for i, q in enumerate(questions)])
-    return RolloutScheduler(agent, engine_cls(TOK, Policy()), RuleJudge(), prompts, config)
+    judge = RuleJudge()
+    return RolloutScheduler(agent, engine_cls(TOK, Policy()), prompts,
+                            lambda group: score_group(group, judge), config)
 
 
 def test_zero_variance_groups_are_dropped_and_refilled():
     sched = _scheduler(["same 1", "mixed 2", "same 3", "mixed 4", "mixed 5"],
-                       SchedulerConfig(samples_per_prompt=4, groups_per_step=2))
+                       SchedulerConfig(samples_per_prompt=4, groups_per_step=2,
+                                       dynamic_sampling=True))
     out = asyncio.run(sched.collect(step=0))
     # same 1 (dropped) → refill same 3 (dropped) → refill mixed 4; kept: mixed 2, mixed 4
     assert len(out.groups) == 2 and out.dropped_groups == 2

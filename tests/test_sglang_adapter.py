@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from megatron_rl.rollout.engines.sglang import (
+from megatron_rl.engines.sglang import (
     INSTALL_HINT,
     ServerProcess,
     SGLangConfig,
@@ -21,7 +21,7 @@ from megatron_rl.rollout.engines.sglang import (
     SGLangServer,
     require_module,
 )
-from megatron_rl.rollout.engines.sglang_schema import load_fixture
+from megatron_rl.engines.sglang_schema import load_fixture
 
 SERVER = load_fixture("server")
 
@@ -111,7 +111,7 @@ def free_port() -> int:
 def test_supervisor_restarts_a_dead_server(tmp_path) -> None:
     """A real server process (the embedded CLI) is killed; the supervisor brings it back."""
     port = free_port()
-    cmd = [sys.executable, "-m", "megatron_rl.rollout.engines.embedded",
+    cmd = [sys.executable, "-m", "megatron_rl.engines.embedded",
            "--random-init", "tiny-moe", "--port", str(port)]
     restarted = []
     with ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path=tmp_path / "server.log",

@@ -23,19 +23,19 @@ import pytest
 import torch
 from aiohttp import web
 
-from megatron_rl.rollout.engines.base import (
+from megatron_rl.engines.base import (
     EngineError,
     GenerateRequest,
     RolloutEngine,
     SamplingParams,
 )
-from megatron_rl.rollout.engines.http_client import HttpEngine
-from megatron_rl.rollout.engines.sglang_schema import (
+from megatron_rl.engines.http_client import HttpEngine
+from megatron_rl.engines.sglang_schema import (
     TypeChecker,
     load_fixture,
     validate_body,
 )
-from megatron_rl.rollout.engines.tensors import (
+from megatron_rl.engines.tensors import (
     decode_safetensors,
     encode_safetensors,
     encode_torch_ipc,

@@ -11,8 +11,8 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.agents.testing import DictSearch, DictVisit
 from megatron_rl.agents.tool_parser import load_json, parse_action, visible_text
+from tests.fakes import DictSearch, DictVisit
 
 SCHEMAS = {t.name: t.parameters for t in (DictSearch({}), DictVisit({}))}
 SCHEMAS["lookup"] = {"type": "object", "properties": {

@@ -22,9 +22,10 @@ from tests.pools import get_pool
 from tests.test_rewards_fakes import FakeJudgeServer, rubric_reply
 
 # no over-sampling (the recipe's partial rollout cuts groups by timing): every run is the same
-BASE = ["train.steps=2", "rl.world_docs=60", "rl.samples_per_prompt=2", "rl.groups_per_step=2",
-        "rl.max_turns=2", "rl.max_new_tokens=16", "rl.oversample=1.0",
-        "rl.partial_rollout=false", "rl.eval_every=0"]
+BASE = ["train.steps=2", "rl.world_docs=60", "rl.sampling.samples_per_prompt=2",
+        "rl.sampling.groups_per_step=2",
+        "rl.max_turns=2", "rl.max_new_tokens=16", "rl.sampling.oversample=1.0",
+        "rl.sampling.partial_rollout=false", "rl.eval_every=0"]
 
 
 def _run(tmp_path, nproc, extra=()):
@@ -97,9 +98,10 @@ def test_every_switch_of_the_loop_at_two_ranks(tmp_path):
     overlong penalty, held-out eval and a TensorBoard sink, at EP2."""
     with rubric_judge() as judge:
         rows = _run(tmp_path, 2, [f"rl.rubric={{base_url: '{judge.url}'}}",
-        "rl.agent=itersynth", "rl.reward_manager=rdpo", "rl.partial_rollout=true",
-        "rl.oversample=2.0", "rl.ratio_level=sequence", "rl.kl_coef=0.1",
-        "rl.entropy_target=9.0", "rl.entropy_kp=0.01", "rl.entropy_ki=0.001",
+        "rl.agent=itersynth", "rl.reward_manager=rdpo", "rl.sampling.partial_rollout=true",
+        "rl.sampling.oversample=2.0", "rl.loss.ratio_level=sequence", "rl.loss.kl_coef=0.1",
+        "rl.entropy_control.target=9.0", "rl.entropy_control.kp=0.01",
+        "rl.entropy_control.ki=0.001",
         "rl.routing_replay=true", "train.max_tokens_per_microbatch=2048",
         "train.pack_sequences=true", "rl.overlong_buffer=8", "rl.eval_every=2",
         "rl.eval_prompts=2", "rl.loggers=[tensorboard]"])
@@ -127,7 +129,7 @@ def test_sigkill_then_resume_gives_a_bit_identical_next_step(tmp_path):
     checkpoint; step 3's numbers equal an uninterrupted run's exactly."""
     args = [*BASE, "train.steps=3", "checkpoint.save_every=1", "parallel.ep=1",
             "rollout.max_batch_size=1",  # one request at a time: batch-independent numerics
-            "rl.entropy_coef=0.01"]  # a random policy earns no reward: train on entropy
+            "rl.loss.entropy_coef=0.01"]  # a random policy earns no reward: train on entropy
 
     def cli(out, *extra, wait=True):
         cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "tiny-moe-rl-cpu", *args,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.rollout.trajectory import ToolCall, Trajectory, Turn
+from megatron_rl.records.trajectory import ToolCall, Trajectory, Turn
 
 
 def _turn(role, context, output, obs=(), version=3):

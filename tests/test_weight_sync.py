@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.checkpoint.convert import export_hf
-from megatron_rl.rollout.engines.embedded import EmbeddedServer
+from megatron_rl.engines.embedded import EmbeddedServer
 from tests import dist_cases, sync_cases
 from tests.pools import get_pool
 

@@ -17,15 +17,15 @@ from typing import Any, Protocol, runtime_checkable
 
 from megatron_rl.agents.chat import ChatFormat
 from megatron_rl.agents.tool_parser import Action, parse_action
-from megatron_rl.env.base import Tool, tool_spec
-from megatron_rl.rollout.engines.base import (
+from megatron_rl.engines.base import (
     EngineError,
     GenerateRequest,
     GenerateResult,
     RolloutEngine,
     SamplingParams,
 )
-from megatron_rl.rollout.trajectory import ToolCall, Trajectory, Turn
+from megatron_rl.env.base import Tool, tool_spec
+from megatron_rl.records.trajectory import ToolCall, Trajectory, Turn
 
 MAX_ABORT_RESUMES = 16  # an engine that keeps aborting one request is broken, not paused
 

@@ -16,8 +16,8 @@ import copy
 import dataclasses
 
 from megatron_rl.agents.base import Agent, BaseAgent
-from megatron_rl.rollout.engines.base import RolloutEngine
-from megatron_rl.rollout.trajectory import Trajectory
+from megatron_rl.engines.base import RolloutEngine
+from megatron_rl.records.trajectory import Trajectory
 
 
 class RetryAgent:

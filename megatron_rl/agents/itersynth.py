@@ -19,9 +19,9 @@ from typing import Any
 
 from megatron_rl.agents.base import AgentConfig, BaseAgent, Commit, Resume
 from megatron_rl.agents.tool_parser import visible_text
+from megatron_rl.engines.base import RolloutEngine
 from megatron_rl.env.base import Tool
-from megatron_rl.rollout.engines.base import RolloutEngine
-from megatron_rl.rollout.trajectory import ToolCall, Trajectory
+from megatron_rl.records.trajectory import ToolCall, Trajectory
 
 PLANNER_PROMPT = (
     "You are the Planner of a deep-search team. You see the question and the notes gathered so "

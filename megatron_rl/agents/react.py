@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_rl.agents.base import AgentConfig, BaseAgent, Commit, Resume
+from megatron_rl.engines.base import RolloutEngine
 from megatron_rl.env.base import Tool
-from megatron_rl.rollout.engines.base import RolloutEngine
-from megatron_rl.rollout.trajectory import Trajectory
+from megatron_rl.records.trajectory import Trajectory
 
 REACT_SYSTEM_PROMPT = (
     "You are a deep-search assistant. Answer the user's question by searching the web and "

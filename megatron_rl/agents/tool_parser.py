@@ -23,7 +23,7 @@ from typing import Any, Literal
 import json_repair
 
 from megatron_rl.env.base import validate_arguments
-from megatron_rl.rollout.trajectory import ToolCall
+from megatron_rl.records.trajectory import ToolCall
 
 ActionKind = Literal["answer", "tool_calls", "parse_error", "none"]
 PARSE_ERROR = "tool_parse_error"

@@ -25,7 +25,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_rl.rollout.trajectory import Trajectory
+from megatron_rl.records.trajectory import Trajectory
 
 Estimator = Literal["grpo", "dr_grpo", "rloo"]
 ESTIMATORS = ("grpo", "dr_grpo", "rloo")

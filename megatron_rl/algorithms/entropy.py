@@ -1,5 +1,5 @@
 """EntroPIC-style entropy control: a PI controller that moves the entropy-bonus coefficient
-(`PolicyLossConfig.entropy_coef`, subtracted from the loss) so the policy's entropy tracks a
+(`rl.loss.entropy_coef`, subtracted from the loss) so the policy's entropy tracks a
 target instead of collapsing or exploding over long runs.
 
     e_k    = target - H_k                     (> 0: entropy too low -> more bonus)
@@ -16,21 +16,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl.config.schema import EntropyControlConfig
+
 
 @dataclass
 class EntropyPIController:
     target: float
     kp: float
     ki: float
+    coef_min: float
+    coef_max: float
     init_coef: float = 0.0
-    coef_min: float = 0.0
-    coef_max: float = 0.1
     integral: float = 0.0
     coef: float | None = None  # the last output; None before the first update
 
     def __post_init__(self) -> None:
         if self.coef_min > self.coef_max:
             raise ValueError(f"entropy coef range [{self.coef_min}, {self.coef_max}] is empty")
+
+    @classmethod
+    def from_config(cls, cfg: EntropyControlConfig, init_coef: float) -> EntropyPIController:
+        return cls(cfg.target, cfg.kp, cfg.ki, cfg.coef_min, cfg.coef_max, init_coef)
 
     def update(self, entropy: float) -> float:
         """The coefficient for the next step, given the mean token entropy of this one."""

@@ -30,8 +30,8 @@ from megatron_rl.algorithms.advantages import (
     trajectory_advantages,
     trajectory_flags,
 )
+from megatron_rl.records.trajectory import TrainingSequence, Trajectory
 from megatron_rl.rewards.composite import RewardWeights, turn_rewards
-from megatron_rl.rollout.trajectory import TrainingSequence, Trajectory
 
 TurnAdvantages = list[float | None]
 

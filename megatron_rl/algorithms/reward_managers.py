@@ -16,28 +16,17 @@ environment failures (and trajectories without an outcome) are out of the statis
 None on every turn; `exclude_max_turns_from_loss` keeps `max_turns` in the statistics but
 gives it None.
 
-C-GRPO (single-agent, three-step process evaluation). The process score is the mean of three
-0/1 checks of the trajectory, so it lies in {0, 1/3, 2/3, 1}:
-  1. retrieval: it made at least one tool call, and every call succeeded (no error) with a
-     non-empty observation. Calls on a turn labelled `max_turns` were never run (the step
-     limit) and are not judged.
-  2. evidence: some successful call's observation contains a reference answer.
-  3. grounding: the final answer (None when truncated, as for the judge) is contained in
-     some successful call's observation, i.e. the answer is supported by what it saw.
-"Contains" is a match at word boundaries after SQuAD normalisation (`rule.normalize_answer`:
-lowercase, no punctuation, no articles); a reference may be a JSON list of answers.
+C-GRPO's process score and the intermediate-fact recall are rewards, written on the
+trajectories by `rewards/process.py` (the driver runs the writers a manager lists in `needs`);
+the managers here only normalise them. Per-turn fact variant
+(`intermediate_fact_turn_advantages`, not registered): turn k's reward is w_outcome * outcome +
+w_fact * turn.rewards["fact"] (the share of facts it surfaced first), pooled by (group, role).
 
-Intermediate fact (v1). A multi-hop question carries its bridge entities in
-`Trajectory.metadata["facts"]` (from `data.world.Question.facts`). A fact is surfaced by a
-turn when it is contained (as above) in the turn's generated text or in the observation of one
-of its successful tool calls; recall = the fraction of the (distinct) facts surfaced anywhere
-in the trajectory. A trajectory without facts gets recall 0 (its reward is the outcome part);
-`reward/fact_recall` averages over the counted trajectories that have facts.
-Per-turn variant (`intermediate_fact_turn_advantages`, not in the registry): turn k's reward
-is w_outcome * outcome + w_fact * (facts first surfaced in turn k) / (number of facts), so the
-fact parts of a trajectory's turns add up to w_fact * recall; the turn that made the tool call
-gets the credit for what its observation shows (in IterSynth the Planner's turn, since the
-Synthesizer only rewrites what was already surfaced). Turns are pooled by (group, role), as RDPO.
+Add a manager with `@REWARD_MANAGERS.register("name")` (or name a function by import path in
+`rl.reward_manager`): `fn(trajectories, *, estimator, exclude_max_turns_from_loss,
+outcome_weight, rubric_weight, process_weight, fact_weight) -> (per-turn advantages, metrics)`,
+with an optional `needs` attribute naming the reward writers it reads (`REWARD_WRITERS` of
+`rewards/process.py`).
 
 Metrics: `adv/excluded_fraction`, `adv/masked_fraction` (per trajectory), and over the turns
 of counted trajectories `reward/<role>_mean` and `reward/<role>_std` (population std) of the
@@ -48,82 +37,25 @@ means, intermediate_fact adds `reward/fact_recall`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from megatron_rl.algorithms.advantages import Estimator, group_normalize, trajectory_flags
 from megatron_rl.algorithms.rdpo import TurnAdvantages, rdpo_advantages
-from megatron_rl.rewards.base import references
-from megatron_rl.rewards.composite import RewardWeights, final_answer, is_truncated, turn_rewards
-from megatron_rl.rewards.rule import normalize_answer
-from megatron_rl.rollout.trajectory import ToolCall, Trajectory, Turn
+from megatron_rl.records.trajectory import Trajectory
+from megatron_rl.rewards.composite import RewardWeights, turn_rewards
+from megatron_rl.utils.registry import Registry
 
-REWARD_MANAGERS = ("grpo", "rdpo", "rdpo_mixed", "pipeline_outcome", "end_to_end", "c_grpo",
-                   "intermediate_fact")
-
-
-def contains(text: str, needle: str) -> bool:
-    """`needle` occurs in `text` at word boundaries, both SQuAD-normalised; never for an empty
-    needle."""
-    n = normalize_answer(needle)
-    return bool(n) and f" {n} " in f" {normalize_answer(text)} "
+REWARD_MANAGERS = Registry("reward_manager")
+Result = tuple[list[TurnAdvantages], dict[str, float]]
 
 
-def _judged_calls(turn: Turn) -> list[ToolCall]:
-    return [] if "max_turns" in turn.labels else turn.tool_calls
-
-
-def _observations(turn: Turn) -> list[str]:
-    return [c.observation for c in _judged_calls(turn) if c.error is None and c.observation]
-
-
-# -- C-GRPO's process evaluation --------------------------------------------------------------
-
-@dataclass
-class ProcessChecks:
-    retrieval: bool
-    evidence: bool
-    grounding: bool
-
-    @property
-    def score(self) -> float:
-        return (self.retrieval + self.evidence + self.grounding) / 3
-
-
-def process_checks(traj: Trajectory) -> ProcessChecks:
-    calls = [c for t in traj.turns for c in _judged_calls(t)]
-    observations = [o for t in traj.turns for o in _observations(t)]
-    retrieval = bool(calls) and all(c.error is None and c.observation for c in calls)
-    refs = references(traj.reference) if traj.reference is not None else []
-    evidence = any(contains(o, r) for o in observations for r in refs)
-    answer = None if is_truncated(traj) else final_answer(traj)
-    grounding = answer is not None and any(contains(o, answer) for o in observations)
-    return ProcessChecks(retrieval, evidence, grounding)
-
-
-# -- intermediate facts -----------------------------------------------------------------------
-
-def _facts(traj: Trajectory) -> list[str]:
-    facts = traj.metadata.get("facts") or []
-    facts = [facts] if isinstance(facts, str) else facts
-    return list({normalize_answer(f): f for f in facts if normalize_answer(f)}.values())
-
-
-def facts_by_turn(traj: Trajectory) -> list[int]:
-    """How many of the trajectory's facts each turn surfaces first."""
-    left, out = _facts(traj), []
-    for turn in traj.turns:
-        texts = [turn.text, *_observations(turn)]
-        new = [f for f in left if any(contains(x, f) for x in texts)]
-        left = [f for f in left if f not in new]
-        out.append(len(new))
-    return out
-
-
-def fact_recall(traj: Trajectory) -> float | None:
-    """Fraction of the facts surfaced anywhere in the trajectory; None without facts."""
-    n = len(_facts(traj))
-    return sum(facts_by_turn(traj)) / n if n else None
+def reward_manager(name: str, needs: tuple[str, ...] = ()) -> Callable[[Any], Any]:
+    """Register a manager; `needs`: the reward writers (`rewards.process`) it reads."""
+    def add(fn: Any) -> Any:
+        fn.needs = needs
+        return REWARD_MANAGERS.register(name)(fn)
+    return add
 
 
 def intermediate_fact_turn_advantages(trajectories: Sequence[Trajectory], *,
@@ -131,23 +63,21 @@ def intermediate_fact_turn_advantages(trajectories: Sequence[Trajectory], *,
                                       estimator: Estimator = "grpo",
                                       exclude_max_turns_from_loss: bool = False
                                       ) -> list[TurnAdvantages]:
-    """The per-turn variant: each turn credited with the facts it surfaced first."""
+    """The per-turn variant: each turn credited with the facts it surfaced first (needs the
+    `facts` writer)."""
     in_stats, in_loss = trajectory_flags(trajectories, "outcome", exclude_max_turns_from_loss)
     values, keys, include = [], [], []
     for traj, counted in zip(trajectories, in_stats, strict=True):
-        n = len(_facts(traj)) if counted else 0
-        credit = facts_by_turn(traj) if n else [0] * len(traj.turns)
         base = outcome_weight * traj.rewards["outcome"] if counted else 0.0
-        for turn, c in zip(traj.turns, credit, strict=True):
-            values.append(base + fact_weight * c / n if n else base)
+        for turn in traj.turns:
+            fact = turn.rewards.get("fact", 0.0) if counted else 0.0
+            values.append(base + fact_weight * fact)
             keys.append((traj.group_id, turn.role))
             include.append(counted)
     flat = iter(group_normalize(values, keys, include, estimator=estimator))
     return [[a if trained else None for a in [next(flat) for _ in t.turns]]
             for t, trained in zip(trajectories, in_loss, strict=True)]
 
-
-# -- the registry -----------------------------------------------------------------------------
 
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
@@ -167,46 +97,49 @@ def _role_metrics(trajectories: Sequence[Trajectory], rewards: Sequence[list[flo
     return out
 
 
-def turn_advantages(name: str, trajectories: Sequence[Trajectory], *,
-                    estimator: Estimator = "grpo", exclude_max_turns_from_loss: bool = False,
-                    outcome_weight: float = 1.0, rubric_weight: float = 1.0,
-                    process_weight: float = 0.5, fact_weight: float = 0.5
-                    ) -> tuple[list[TurnAdvantages], dict[str, float]]:
-    """Per-turn advantages of reward manager `name` (one of REWARD_MANAGERS) and its metrics."""
-    if name not in REWARD_MANAGERS:
-        raise ValueError(f"reward manager {name!r}: one of {', '.join(REWARD_MANAGERS)}")
-    trajectories = list(trajectories)
+def _exclusion(trajectories: Sequence[Trajectory], exclude_max_turns_from_loss: bool
+               ) -> tuple[list[bool], list[bool], dict[str, float]]:
     in_stats, in_loss = trajectory_flags(trajectories, "outcome", exclude_max_turns_from_loss)
     n = max(len(trajectories), 1)
-    metrics = {"adv/excluded_fraction": sum(not s for s in in_stats) / n,
-               "adv/masked_fraction": sum(not m for m in in_loss) / n}
+    return in_stats, in_loss, {"adv/excluded_fraction": sum(not s for s in in_stats) / n,
+                               "adv/masked_fraction": sum(not m for m in in_loss) / n}
 
-    if name in ("rdpo", "rdpo_mixed", "pipeline_outcome"):
-        weights = RewardWeights(outcome_weight, 0.0 if name == "pipeline_outcome"
-                                else rubric_weight)
-        adv = rdpo_advantages(trajectories, weights, mixed_roles=name == "rdpo_mixed",
-                              estimator=estimator,
-                              exclude_max_turns_from_loss=exclude_max_turns_from_loss)
-        turn_values = [turn_rewards(t, weights) if s else None
-                       for t, s in zip(trajectories, in_stats, strict=True)]
-        return adv, {**metrics, **_role_metrics(trajectories, turn_values)}
 
-    counted = [i for i, s in enumerate(in_stats) if s]
-    bonus = [0.0] * len(trajectories)  # the part added to w_outcome * outcome
-    extra: dict[str, float] = {}
-    if name == "c_grpo":
-        checks = [process_checks(trajectories[i]) for i in counted]
-        for i, c in zip(counted, checks, strict=True):
-            bonus[i] = process_weight * c.score
-        extra = {"reward/process_mean": _mean([c.score for c in checks]),
-                 "reward/retrieval_mean": _mean([c.retrieval for c in checks]),
-                 "reward/evidence_mean": _mean([c.evidence for c in checks]),
-                 "reward/grounding_mean": _mean([c.grounding for c in checks])}
-    elif name == "intermediate_fact":
-        recall = [fact_recall(trajectories[i]) for i in counted]
-        for i, r in zip(counted, recall, strict=True):
-            bonus[i] = fact_weight * (r or 0.0)
-        extra = {"reward/fact_recall": _mean([r for r in recall if r is not None])}
+def _per_role(trajectories: Sequence[Trajectory], *, mixed: bool, rubric_weight: float,
+              estimator: Estimator = "grpo", exclude_max_turns_from_loss: bool = False,
+              outcome_weight: float = 1.0, **_: Any) -> Result:
+    in_stats, _, metrics = _exclusion(trajectories, exclude_max_turns_from_loss)
+    weights = RewardWeights(outcome_weight, rubric_weight)
+    adv = rdpo_advantages(trajectories, weights, mixed_roles=mixed, estimator=estimator,
+                          exclude_max_turns_from_loss=exclude_max_turns_from_loss)
+    turn_values = [turn_rewards(t, weights) if s else None
+                   for t, s in zip(trajectories, in_stats, strict=True)]
+    return adv, {**metrics, **_role_metrics(trajectories, turn_values)}
+
+
+@reward_manager("rdpo")
+def rdpo(trajectories: Sequence[Trajectory], *, rubric_weight: float = 1.0, **kw: Any) -> Result:
+    """Per turn: w_outcome * outcome + w_rubric * rubric, normalised per (group, role)."""
+    return _per_role(trajectories, mixed=False, rubric_weight=rubric_weight, **kw)
+
+
+@reward_manager("rdpo_mixed")
+def rdpo_mixed(trajectories: Sequence[Trajectory], *, rubric_weight: float = 1.0,
+               **kw: Any) -> Result:
+    """RDPO's rewards normalised over the group's turns with roles mixed (the ablation)."""
+    return _per_role(trajectories, mixed=True, rubric_weight=rubric_weight, **kw)
+
+
+@reward_manager("pipeline_outcome")
+def pipeline_outcome(trajectories: Sequence[Trajectory], **kw: Any) -> Result:
+    """The outcome on every turn, normalised per (group, role)."""
+    kw.pop("rubric_weight", None)
+    return _per_role(trajectories, mixed=False, rubric_weight=0.0, **kw)
+
+
+def _trajectory_level(trajectories: Sequence[Trajectory], bonus: Sequence[float],
+                      in_stats: list[bool], in_loss: list[bool], metrics: dict[str, float], *,
+                      estimator: Estimator, outcome_weight: float) -> Result:
     values = [outcome_weight * t.rewards["outcome"] + b if s else 0.0
               for t, b, s in zip(trajectories, bonus, in_stats, strict=True)]
     adv = group_normalize(values, [t.group_id for t in trajectories], in_stats,
@@ -215,4 +148,58 @@ def turn_advantages(name: str, trajectories: Sequence[Trajectory], *,
            for t, a, trained in zip(trajectories, adv, in_loss, strict=True)]
     turn_values = [[v] * len(t.turns) if s else None
                    for t, v, s in zip(trajectories, values, in_stats, strict=True)]
-    return out, {**metrics, **_role_metrics(trajectories, turn_values), **extra}
+    return out, {**metrics, **_role_metrics(trajectories, turn_values)}
+
+
+@reward_manager("grpo")
+def grpo(trajectories: Sequence[Trajectory], *, estimator: Estimator = "grpo",
+         exclude_max_turns_from_loss: bool = False, outcome_weight: float = 1.0,
+         **_: Any) -> Result:
+    """w_outcome * outcome, normalised over the group, the same on every turn."""
+    in_stats, in_loss, metrics = _exclusion(trajectories, exclude_max_turns_from_loss)
+    return _trajectory_level(trajectories, [0.0] * len(trajectories), in_stats, in_loss,
+                             metrics, estimator=estimator, outcome_weight=outcome_weight)
+
+
+REWARD_MANAGERS.register("end_to_end")(grpo)
+
+
+@reward_manager("c_grpo", needs=("process",))
+def c_grpo(trajectories: Sequence[Trajectory], *, estimator: Estimator = "grpo",
+           exclude_max_turns_from_loss: bool = False, outcome_weight: float = 1.0,
+           process_weight: float = 0.5, **_: Any) -> Result:
+    """w_outcome * outcome + w_process * process (`rewards["process"]`), over the group."""
+    in_stats, in_loss, metrics = _exclusion(trajectories, exclude_max_turns_from_loss)
+    counted = [t for t, s in zip(trajectories, in_stats, strict=True) if s]
+    bonus = [process_weight * t.rewards["process"] if s else 0.0
+             for t, s in zip(trajectories, in_stats, strict=True)]
+    metrics.update({f"reward/{k}_mean": _mean([t.rewards[k] for t in counted])
+                    for k in ("process", "retrieval", "evidence", "grounding")})
+    return _trajectory_level(trajectories, bonus, in_stats, in_loss, metrics,
+                             estimator=estimator, outcome_weight=outcome_weight)
+
+
+@reward_manager("intermediate_fact", needs=("facts",))
+def intermediate_fact(trajectories: Sequence[Trajectory], *, estimator: Estimator = "grpo",
+                      exclude_max_turns_from_loss: bool = False, outcome_weight: float = 1.0,
+                      fact_weight: float = 0.5, **_: Any) -> Result:
+    """w_outcome * outcome + w_fact * fact recall (`rewards["fact_recall"]`, 0 without
+    facts), over the group."""
+    in_stats, in_loss, metrics = _exclusion(trajectories, exclude_max_turns_from_loss)
+    recall = [t.rewards.get("fact_recall") if s else None
+              for t, s in zip(trajectories, in_stats, strict=True)]
+    bonus = [fact_weight * (r or 0.0) for r in recall]
+    metrics["reward/fact_recall"] = _mean([r for r in recall if r is not None])
+    return _trajectory_level(trajectories, bonus, in_stats, in_loss, metrics,
+                             estimator=estimator, outcome_weight=outcome_weight)
+
+
+def turn_advantages(name: str, trajectories: Sequence[Trajectory], **kw: Any) -> Result:
+    """Per-turn advantages of reward manager `name` (registered, or an import path) and its
+    metrics; keywords: estimator, exclude_max_turns_from_loss and the reward weights."""
+    return REWARD_MANAGERS.get(name, "rl.reward_manager")(list(trajectories), **kw)
+
+
+def needs(name: str) -> tuple[str, ...]:
+    """The reward writers manager `name` reads."""
+    return tuple(getattr(REWARD_MANAGERS.get(name, "rl.reward_manager"), "needs", ()))

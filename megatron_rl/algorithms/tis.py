@@ -16,27 +16,11 @@ zero weight removes the token's gradient but it still counts in the loss normali
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from megatron_rl.algorithms.policy_loss import LOG_RATIO_LIMIT
-
-
-@dataclass
-class TISConfig:
-    level: Literal["token", "sequence"] = "token"
-    mode: Literal["truncate", "mask"] = "truncate"
-    threshold: float = 2.0
-    veto_threshold: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.level not in ("token", "sequence"):
-            raise ValueError(f"TIS level={self.level!r}: 'token' or 'sequence'")
-        if self.mode not in ("truncate", "mask"):
-            raise ValueError(f"TIS mode={self.mode!r}: 'truncate' or 'mask'")
-        if self.threshold <= 0:
-            raise ValueError(f"TIS threshold={self.threshold} must be > 0")
+from megatron_rl.config.schema import TISConfig
 
 
 @dataclass
@@ -57,6 +41,8 @@ def rollout_is_weights(train_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     - `mismatch/rollout_is_clipped_fraction`: units with rho > threshold
     - `mismatch/train_rollout_logprob_abs_diff`: mean |log pi_train - log pi_rollout| per token
     """
+    if cfg.threshold <= 0:
+        raise ValueError(f"rl.tis.threshold={cfg.threshold}: TIS is off (threshold 0)")
     m = loss_mask.bool()
     zeros = torch.zeros_like(train_logprobs, dtype=torch.float64)
     diff = torch.where(m, (train_logprobs.detach() - rollout_logprobs).double(), zeros)

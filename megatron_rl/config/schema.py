@@ -9,13 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-
-def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
-            le: float | None = None, choices: tuple | None = None, help: str = "") -> Any:
-    """A dataclass field with a validated range or set of choices."""
-    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, choices=choices).items() if v is not None}
-    meta["help"] = help
-    return field(default=default, metadata=meta)
+from megatron_rl.config.fields import ConfigError, bounded, check_bounds, from_dict
 
 
 @dataclass
@@ -90,16 +84,13 @@ class CheckpointConfig:
                           help="integrity check of every file on load")
 
 
-ENGINE_KINDS = ("embedded", "sglang")
-
-
 @dataclass
 class AuxPoolConfig:
     """An auxiliary engine pool (judge, summarizer) placed beside the policy engines and handed
     to its callers as OpenAI-compatible base URLs (`http://IP:PORT/v1`)."""
 
     model_path: str | None = bounded(None, help="HF model dir; None = rollout.model_path")
-    engine: str = bounded("embedded", choices=ENGINE_KINDS)
+    engine: str = bounded("embedded", registry="engine")
     num_engines: int = bounded(1, ge=1)
     engine_cpus: float = bounded(1.0, ge=0, help="CPUs in each engine's bundle")
     engine_gpus: int = bounded(0, ge=0, help="GPUs in each engine's bundle (its TP size)")
@@ -116,7 +107,7 @@ class RolloutConfig:
     {CPU: engine_cpus[, GPU: engine_gpus]}. Aux pools always get their own bundles.
     """
 
-    engine: str = bounded("embedded", choices=ENGINE_KINDS)
+    engine: str = bounded("embedded", registry="engine")
     ray: bool = bounded(False, help="`megatron-rl train` places the engines with Ray (engine "
                         "processes, SGLang, aux pools); False = one embedded engine in the "
                         "driver process")
@@ -151,10 +142,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         # also validates direct construction (the loader only checks what it parses) and turns
         # aux-pool mappings from YAML into AuxPoolConfig
-        from megatron_rl.config.loader import ConfigError, _check_bounds, from_dict
-
         for f in fields(self):
-            _check_bounds(f"rollout.{f.name}", getattr(self, f.name), f.metadata)
+            check_bounds(f"rollout.{f.name}", getattr(self, f.name), f.metadata)
         if not isinstance(self.aux_pools, dict):
             raise ConfigError(f"rollout.aux_pools={self.aux_pools!r}: expected a mapping")
         pools: dict[str, AuxPoolConfig] = {}
@@ -164,7 +153,7 @@ class RolloutConfig:
                 raise ConfigError(f"{where}: pool names are letters, digits, '_' and '-'")
             if isinstance(pool, AuxPoolConfig):
                 for f in fields(pool):
-                    _check_bounds(f"{where}.{f.name}", getattr(pool, f.name), f.metadata)
+                    check_bounds(f"{where}.{f.name}", getattr(pool, f.name), f.metadata)
             else:
                 pool = from_dict(AuxPoolConfig, pool, f"{where}.")
             if pool.model_path is None and self.model_path is None:
@@ -195,8 +184,6 @@ class RolloutConfig:
             self._check_colocated()
 
     def _check_colocated(self) -> None:
-        from megatron_rl.config.loader import ConfigError
-
         if (self.engine_gpus > 0) != (self.trainer_gpus > 0):
             raise ConfigError(f"rollout.engine_gpus={self.engine_gpus}: colocated engines share "
                               f"the trainer's bundles (rollout.trainer_gpus="
@@ -217,52 +204,124 @@ class RolloutConfig:
                               f"{self.trainer_ranks} x {self.trainer_gpus}")
 
 
-@dataclass
-class RLConfig:
-    """The RL job: which agent, how rollouts are grouped, the estimator and loss."""
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
-    agent: str = bounded("react", choices=("react", "itersynth"))
-    world_docs: int = bounded(300, ge=10, help="pages of the generated world (embedded default)")
+
+@dataclass
+class PolicyLossConfig:
+    """`rl.loss`: the clipped policy-gradient loss (`algorithms/policy_loss.py`), as verl's."""
+
+    ratio_level: str = bounded("token", choices=("token", "sequence"),
+                               help="sequence = GSPO (its per-token form: the sequence's ratio "
+                               "value, each token's own gradient and advantage)")
+    clip_ratio_low: float = bounded(0.2, ge=0.0, lt=1.0,
+                                    help="ratio clipped to [1 - low, 1 + high]")
+    clip_ratio_high: float = bounded(0.28, ge=0.0, help="DAPO clip-higher 0.28; PPO 0.2; "
+                                     "GSPO ~4e-4")
+    clip_ratio_c: float = bounded(3.0, ge=0.0, help="dual clip: a negative-advantage token's "
+                                  "loss is at most -A * c (verl's clip_ratio_c); 0 = off")
+    loss_agg_mode: str | None = bounded(
+        None, choices=AGG_MODES, help="None: token-mean, or seq-mean-token-mean when "
+        "ratio_level=sequence (GSPO's)")
+    kl_coef: float = bounded(0.0, ge=0.0, help="KL to the initial policy; 0 = off")
+    kl_estimator: str = bounded("k3", choices=("k1", "k3"))
+    entropy_coef: float = bounded(0.0, ge=0.0, help="entropy bonus (EntroPIC may move it)")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_bounds(f"rl.loss.{f.name}", getattr(self, f.name), f.metadata)
+        if 0 < self.clip_ratio_c <= 1:
+            raise ConfigError(f"rl.loss.clip_ratio_c={self.clip_ratio_c}: must be > 1 (a bound "
+                              "above the clipped ratio), or 0 = off")
+
+    @property
+    def aggregation(self) -> str:
+        """The loss aggregation in effect."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return "seq-mean-token-mean" if self.ratio_level == "sequence" else "token-mean"
+
+
+@dataclass
+class TISConfig:
+    """`rl.tis`: truncated importance sampling against the engine's log-probs."""
+
+    threshold: float = bounded(2.0, ge=0.0, help="weights above it are truncated (or masked); "
+                               "0 = TIS off")
+    level: str = bounded("token", choices=("token", "sequence"))
+    mode: str = bounded("truncate", choices=("truncate", "mask"))
+    veto_threshold: float | None = bounded(None, gt=0.0, help="a sequence with any token "
+                                           "ratio below it gets weight 0")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_bounds(f"rl.tis.{f.name}", getattr(self, f.name), f.metadata)
+
+
+@dataclass
+class SchedulerConfig:
+    """`rl.sampling`: how a step's rollout groups are collected (`rollout/scheduler.py`)."""
+
     samples_per_prompt: int = bounded(4, ge=1, help="GRPO group size")
     groups_per_step: int = bounded(2, ge=1)
-    oversample: float = bounded(1.0, ge=1.0, help="prompts started per needed group")
-    dynamic_sampling: bool = False
+    oversample: float = bounded(1.0, ge=1.0, help="prompts started per needed group (Iris ~2)")
+    dynamic_sampling: bool = bounded(False, help="DAPO: drop zero-variance groups, refill")
+    max_refills: int = bounded(4, ge=0, help="refill rounds (x groups_per_step) per step")
+    partial_rollout: bool = bounded(
+        False, help="Iris: cut in-flight sessions at the step boundary and resume them next "
+        "step from their committed prefix (rollout forest)")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_bounds(f"rl.sampling.{f.name}", getattr(self, f.name), f.metadata)
+
+
+@dataclass
+class EntropyControlConfig:
+    """`rl.entropy_control`: EntroPIC's PI controller on `rl.loss.entropy_coef`."""
+
+    target: float = bounded(0.0, ge=0.0, help="target token entropy; 0 = off")
+    kp: float = bounded(0.01, ge=0.0)
+    ki: float = bounded(0.001, ge=0.0)
+    coef_min: float = bounded(0.0, ge=0.0)
+    coef_max: float = bounded(0.1, ge=0.0)
+
+
+@dataclass
+class RLConfig:
+    """The RL job: the task and its agent, how rollouts are grouped and rewarded, the update."""
+
+    task: str = bounded("search", registry="task",
+                        help="search: the agent over the generated world; pick_tokens: a "
+                        "sanity task any policy learns; or module:attr")
+    agent: str = bounded("react", registry="agent", help="react, itersynth, one_message, or "
+                         "module:attr")
+    world_docs: int = bounded(300, ge=30, help="pages of the generated world (embedded default)")
+    tools: tuple[str, ...] = bounded(("search", "visit"), registry="tool",
+                                     help="the search task's tools, by name or module:attr")
     max_turns: int = bounded(3, ge=1)
     max_new_tokens: int = bounded(24, ge=1, help="per engine call")
     temperature: float = bounded(1.0, ge=0.0)
-    estimator: str = bounded("grpo", choices=("grpo", "dr_grpo", "rloo"))
-    clip_ratio_low: float = bounded(0.2, ge=0.0, le=1.0)
-    clip_ratio_high: float = bounded(0.28, ge=0.0)
-    loss_agg_mode: str = bounded("token-mean", choices=("token-mean", "seq-mean-token-sum",
-                                                        "seq-mean-token-mean"))
-    tis_threshold: float = bounded(2.0, ge=0.0, help="truncated IS threshold; 0 = off")
-    tis_level: str = bounded("token", choices=("token", "sequence"))
-    tis_mode: str = bounded("truncate", choices=("truncate", "mask"))
-    sync_transport: str = bounded("tensor", choices=("tensor", "distributed", "disk"))
-    task: str = bounded("search", choices=("search", "pick_tokens"),
-                        help="search: the agent over the generated world; pick_tokens: a "
-                        "sanity task any policy learns (rl_setup.py)")
+    sampling: SchedulerConfig = field(default_factory=SchedulerConfig)
     judge: dict[str, Any] = field(default_factory=dict)   # {} = rule; see rewards.build_judge
     rubric: dict[str, Any] = field(default_factory=dict)  # an OpenAI-compatible rubric judge
     reward_manager: str = bounded(
-        "grpo", choices=("grpo", "rdpo", "rdpo_mixed", "pipeline_outcome", "end_to_end",
-                         "c_grpo", "intermediate_fact"),
+        "grpo", registry="reward_manager",
         help="how rewards become per-turn advantages (algorithms/reward_managers.py)")
+    estimator: str = bounded("grpo", choices=("grpo", "dr_grpo", "rloo"))
     rubric_weight: float = bounded(1.0, ge=0.0, help="RDPO: weight of a turn's rubric score")
     exclude_max_turns_from_loss: bool = bounded(
         False, help="max_turns trajectories count in group statistics but are not trained")
     overlong_buffer: int = bounded(0, ge=0, help="DAPO overlong penalty ramp (tokens); 0 = off")
-    ratio_level: str = bounded("token", choices=("token", "sequence"),
-                               help="sequence = GSPO")
-    kl_coef: float = bounded(0.0, ge=0.0, help="KL to the initial policy; 0 = off")
-    entropy_coef: float = bounded(0.0, ge=0.0)
-    entropy_target: float = bounded(0.0, ge=0.0, help="EntroPIC target entropy; 0 = off")
-    entropy_kp: float = bounded(0.01, ge=0.0)
-    entropy_ki: float = bounded(0.001, ge=0.0)
+    mini_batches_per_step: int = bounded(
+        1, ge=1, help="PPO mini-batches: the step's batch split into K, one optimizer step "
+        "each (old log-probs taken once, before the first)")
+    ppo_epochs: int = bounded(1, ge=1, help="passes over the step's mini-batches")
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    tis: TISConfig = field(default_factory=TISConfig)
+    entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
+    sync_transport: str = bounded("tensor", choices=("tensor", "distributed", "disk"))
     routing_replay: bool = bounded(False, help="MoE R3: replay the engine's routed experts")
-    partial_rollout: bool = bounded(
-        False, help="Iris: cut in-flight sessions at the step boundary and resume them next "
-        "step from their committed prefix (rollout forest)")
     eval_every: int = bounded(0, ge=0, help="steps between held-out evaluations; 0 = off")
     eval_prompts: int = bounded(8, ge=1)
     loggers: tuple[str, ...] = bounded((), help="extra metric sinks: tensorboard, wandb")
@@ -280,8 +339,6 @@ class Config:
 
     def check(self) -> None:
         """Cross-field rules the per-field metadata cannot express."""
-        from megatron_rl.config.loader import ConfigError
-
         t = self.train
         if t.global_batch_size % t.micro_batch_size:
             raise ConfigError(

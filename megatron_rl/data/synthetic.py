@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.trainer.batch import TokenBatch
+from megatron_rl.records.batch import TokenBatch
 
 
 @dataclass(frozen=True)

@@ -13,19 +13,17 @@ or get bundles of their own (`disaggregated`); aux pools (judge, summarizer) alw
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ipaddress
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl.config.loader import ConfigError
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.rollout.engines.base import PauseMode, RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -314,55 +312,3 @@ def probe_bundles(pg: Any, indices: Sequence[int],
 
 
 # -- colocation ---------------------------------------------------------------------------------
-
-
-class ColocationSchedule:
-    """Engines and trainer take turns on the same bundles.
-
-        async with schedule.training():   # engines paused and their memory released
-            actor.train_step(...)
-        # memory resumed, generation continues (sync the new weights in between if wanted)
-
-    Engines are paused first (`pause_mode`, default "retract": in-flight requests are held and
-    recomputed on continue, never lost), then released. On GPU release/resume free and restore
-    the engine's weights and KV cache (SGLang's memory saver); on CPU they only mark the engine
-    idle, which is the time-sharing. With `enabled=False` (disaggregated) both are no-ops.
-    """
-
-    def __init__(self, engines: Sequence[RolloutEngine], *, enabled: bool = True,
-                 pause_mode: PauseMode = "retract"):
-        self.engines = list(engines)
-        self.enabled = enabled
-        self.pause_mode = pause_mode
-        self.released = False
-
-    async def release(self) -> None:
-        if not self.enabled or self.released:
-            return
-        await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
-        await asyncio.gather(*(e.release_memory() for e in self.engines))
-        self.released = True
-
-    async def resume(self) -> None:
-        if not self.enabled or not self.released:
-            return
-        await asyncio.gather(*(e.resume_memory() for e in self.engines))
-        await asyncio.gather(*(e.continue_generation() for e in self.engines))
-        self.released = False
-
-    @contextlib.asynccontextmanager
-    async def training(self) -> AsyncIterator[None]:
-        await self.release()
-        try:
-            yield
-        finally:
-            await self.resume()
-
-    @contextlib.contextmanager
-    def training_sync(self) -> Iterator[None]:
-        """The same for a synchronous trainer loop (no event loop running in this thread)."""
-        asyncio.run(self.release())
-        try:
-            yield
-        finally:
-            asyncio.run(self.resume())

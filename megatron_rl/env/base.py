@@ -152,7 +152,7 @@ class Toolbox:
         try:
             return await tool(**arguments)
         except Exception as e:  # tools built on ManagedTool never raise; others might
-            from megatron_rl.env.reliability import redact
+            from megatron_rl.utils.secrets import redact
 
             label = getattr(tool, "failure_label", "search_error")
             return ToolResult.failure(label, redact(f"{type(e).__name__}: {e}"), tool=name)

@@ -3,36 +3,30 @@ for every backend (Serper, Jina, the search service, OpenAI-compatible summarize
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import aiohttp
 
 from megatron_rl.env.base import ErrorLabel, ToolError
-from megatron_rl.env.reliability import parse_retry_after, redact
+from megatron_rl.utils.http import SessionHolder, parse_retry_after
+from megatron_rl.utils.secrets import redact
 
 
 class HttpClient:
-    """An aiohttp session per event loop (a session is bound to the loop that made it)."""
+    """One aiohttp session for the life of the run (see `SessionHolder`); `name` labels errors."""
 
-    def __init__(self, *, connect_timeout_s: float = 10.0):
+    def __init__(self, *, connect_timeout_s: float = 10.0, name: str = "HttpClient"):
         self.connect_timeout_s = connect_timeout_s
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._http = SessionHolder(name, timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s))
 
     def session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s))
-            self._loop = loop
-        return self._session
+        return self._http.get()
 
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        """Close the session; a later request, in any loop, opens a new one."""
+        await self._http.close()
 
     async def request(self, method: str, url: str, *, label: ErrorLabel, where: str,
                       json_body: Any = None, headers: dict[str, str] | None = None,

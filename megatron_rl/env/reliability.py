@@ -10,6 +10,7 @@ and the retries of a `ReliabilityConfig`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hashlib
 import json
@@ -20,32 +21,15 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from megatron_rl.env.base import ErrorLabel, ToolError, ToolResult, validate_arguments
+from megatron_rl.utils.http import LoopBound, TokenBucket
+from megatron_rl.utils.secrets import redact, register_secret
 
 log = logging.getLogger("megatron_rl.env")
 T = TypeVar("T")
-
-
-# -- secrets --------------------------------------------------------------------------------------
-
-_SECRETS: set[str] = set()
-
-
-def register_secret(value: str | None) -> None:
-    """Every detail and log line of this package is scrubbed of registered values."""
-    if value and len(value) >= 4:  # a 1-3 char "secret" would redact ordinary words
-        _SECRETS.add(value)
-
-
-def redact(text: str) -> str:
-    for s in _SECRETS:
-        if s in text:
-            text = text.replace(s, "***")
-    return text
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -73,51 +57,10 @@ class ReliabilityConfig:
             raise ValueError(f"max_concurrency must be >= 1 or None, got {self.max_concurrency}")
 
 
-def parse_retry_after(value: str | None) -> float | None:
-    """Retry-After is delta-seconds or an HTTP date (RFC 9110 §10.2.3)."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError, IndexError):
-        return None
-
-
 # -- limits and retries ---------------------------------------------------------------------------
 
 _attempts: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("_attempts",
                                                                              default=None)
-
-
-class TokenBucket:
-    """`rate` tokens per second, at most `burst` saved up. Waiters are served in order."""
-
-    def __init__(self, rate: float, burst: int = 1):
-        self.rate = rate
-        self.burst = burst
-        self._tokens = float(burst)
-        self._last = time.monotonic()
-        self._lock: asyncio.Lock | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def acquire(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # asyncio locks belong to one loop; tests run several
-            self._lock, self._loop = asyncio.Lock(), loop
-        assert self._lock is not None
-        async with self._lock:
-            now = time.monotonic()
-            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-            self._last = now
-            if self._tokens < 1:
-                await asyncio.sleep((1 - self._tokens) / self.rate)
-                self._tokens, self._last = 1.0, time.monotonic()
-            self._tokens -= 1
 
 
 class Guard:
@@ -127,17 +70,11 @@ class Guard:
         self.config = config
         self.label = label  # what an unexpected exception or a timeout-free failure is called
         self.name = name
-        self.bucket = TokenBucket(config.rate_per_s, config.burst) if config.rate_per_s else None
-        self._sem: asyncio.Semaphore | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def _semaphore(self) -> asyncio.Semaphore | None:
-        if self.config.max_concurrency is None:
-            return None
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            self._sem, self._loop = asyncio.Semaphore(self.config.max_concurrency), loop
-        return self._sem
+        self.bucket = TokenBucket(config.rate_per_s, config.burst, owner=name) \
+            if config.rate_per_s else None
+        cap = config.max_concurrency
+        self._slots = LoopBound(name, "concurrency cap", lambda: asyncio.Semaphore(cap)) \
+            if cap is not None else contextlib.nullcontext()
 
     def backoff(self, retry: int) -> float:
         c = self.config
@@ -145,10 +82,7 @@ class Guard:
         return delay * (1 + c.jitter * random.random())
 
     async def _attempt(self, fn: Callable[[], Awaitable[T]]) -> T:
-        sem = self._semaphore()
-        if sem is not None:
-            await sem.acquire()
-        try:
+        async with self._slots:
             if self.bucket is not None:
                 await self.bucket.acquire()
             counter = _attempts.get()
@@ -156,9 +90,6 @@ class Guard:
                 counter[0] += 1
             async with asyncio.timeout(self.config.timeout_s):
                 return await fn()
-        finally:
-            if sem is not None:
-                sem.release()
 
     async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """`fn()` until it succeeds, fails for good, or runs out of retries. Raises ToolError."""

@@ -15,13 +15,8 @@ from typing import Any
 from megatron_rl.env.base import ToolError
 from megatron_rl.env.http import HttpClient
 from megatron_rl.env.index import SearchHit, SearchIndex
-from megatron_rl.env.reliability import (
-    ManagedTool,
-    ReliabilityConfig,
-    ToolCache,
-    ToolOutput,
-    register_secret,
-)
+from megatron_rl.env.reliability import ManagedTool, ReliabilityConfig, ToolCache, ToolOutput
+from megatron_rl.utils.secrets import register_secret
 
 MAX_TOP_K = 20
 SEARCH_PARAMETERS: dict[str, Any] = {

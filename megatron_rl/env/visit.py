@@ -19,14 +19,8 @@ from typing import Any, Protocol
 from megatron_rl.env.base import ToolError
 from megatron_rl.env.http import HttpClient
 from megatron_rl.env.index import STOPWORDS, Page, SearchIndex
-from megatron_rl.env.reliability import (
-    Guard,
-    ManagedTool,
-    ReliabilityConfig,
-    ToolCache,
-    ToolOutput,
-    register_secret,
-)
+from megatron_rl.env.reliability import Guard, ManagedTool, ReliabilityConfig, ToolCache, ToolOutput
+from megatron_rl.utils.secrets import register_secret
 
 VISIT_PARAMETERS: dict[str, Any] = {
     "type": "object",
@@ -308,3 +302,8 @@ class Visit(ManagedTool):
         content = f"Title: {page.title}\nURL: {page.url}\n\n{digest}"
         return ToolOutput(content, {"url": page.url, "title": page.title,
                                     "page_chars": len(page.text)})
+
+
+def local_visit(index: SearchIndex | str | Path) -> Visit:
+    """Visit over the pages of a local index, with the extractive summarizer."""
+    return Visit(LocalPages(index))

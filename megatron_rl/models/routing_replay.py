@@ -26,9 +26,6 @@ from typing import Any
 
 import torch
 
-ROUTED_EXPERTS = "routed_experts"  # the TokenBatch extras key
-NOT_ROUTED = -1                    # a token without engine routing: routed naturally
-
 
 def moe_layer_index(config: Any, layer_number: int) -> int:
     """0-based index among the MoE layers of the 1-based global decoder `layer_number`."""

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.env.reliability import redact
+from megatron_rl.records.trajectory import Trajectory
 from megatron_rl.rewards.base import (
     JUDGE_ERROR,
     Judge,
@@ -25,11 +25,9 @@ from megatron_rl.rewards.base import (
     judge_failed,
     no_answer,
 )
-from megatron_rl.rewards.client import ClientConfig
-from megatron_rl.rewards.genrm import GenRMJudge
+from megatron_rl.rewards.registry import JUDGES
 from megatron_rl.rewards.rubric import RubricScorer
-from megatron_rl.rewards.rule import RuleJudge
-from megatron_rl.rollout.trajectory import Trajectory
+from megatron_rl.utils.secrets import redact
 
 log = logging.getLogger("megatron_rl.rewards")
 
@@ -110,15 +108,13 @@ def turn_rewards(traj: Trajectory, weights: RewardWeights | None = None) -> list
             for t in traj.turns]
 
 
-def build_judge(spec: dict[str, Any] | None = None) -> Judge:
-    """`{"kind": "rule", "metric": "em"|"f1"}` (the default) or `{"kind": "genrm", "prompt":
-    ..., **ClientConfig fields}` (base_url, model, api_key_env, limits)."""
+def build_judge(spec: dict[str, Any] | None = None, where: str = "rl.judge") -> Judge:
+    """`{"kind": "rule", "metric": "em"|"f1"}` (the default), `{"kind": "genrm", "prompt":
+    ..., **ClientConfig fields}` (base_url, model, api_key_env, limits), or `{"kind":
+    "my_pkg.mod:MyJudge", **its keywords}` (`rewards/registry.py`)."""
     spec = dict(spec or {"kind": "rule"})
     kind = spec.pop("kind", "rule")
-    if kind == "rule":
-        return RuleJudge(**spec)
-    if kind == "genrm":
-        prompt = spec.pop("prompt", None)
-        client = ClientConfig.from_dict(spec, where="judge (genrm)")
-        return GenRMJudge(client, prompt) if prompt else GenRMJudge(client)
-    raise ValueError(f"judge kind={kind!r}: 'rule' or 'genrm'")
+    try:
+        return JUDGES.get(kind, f"{where}.kind")(**spec)
+    except TypeError as e:  # a keyword the judge does not take
+        raise ValueError(f"{where}: {e}") from e

@@ -19,7 +19,7 @@ from megatron_rl.rewards.base import (
     references,
     strip_thinking,
 )
-from megatron_rl.rewards.client import ChatClient, ClientConfig
+from megatron_rl.utils.chat_client import ChatClient, ClientConfig
 
 GENRM_SYSTEM = "You are a strict grader of answers to factual questions."
 GENRM_PROMPT = """\
@@ -94,3 +94,10 @@ class GenRMJudge:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def genrm_judge(prompt: str | None = None, **client: object) -> GenRMJudge:
+    """A GenRM judge from a judge spec: `prompt` and the `ClientConfig` fields (base_url,
+    model, api_key_env, limits)."""
+    config = ClientConfig.from_dict(client, where="rl.judge (genrm)")
+    return GenRMJudge(config, prompt) if prompt else GenRMJudge(config)

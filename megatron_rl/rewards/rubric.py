@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config.loader import CONFIG_ROOT
+from megatron_rl.records.trajectory import Trajectory
 from megatron_rl.rewards.base import JUDGE_ERROR, clip, strip_thinking
-from megatron_rl.rewards.client import ChatClient, ClientConfig
-from megatron_rl.rollout.trajectory import Trajectory
+from megatron_rl.utils.chat_client import ChatClient, ClientConfig
 
 ANCHORS = ("5", "3", "1", "N/A")
 RUBRIC_DIR = CONFIG_ROOT / "rubrics"

@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from megatron_rl.records.trajectory import LABELS, Trajectory
 from megatron_rl.rewards.composite import RewardWeights, turn_rewards
-from megatron_rl.rollout.trajectory import LABELS, Trajectory
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from megatron_rl.rollout.trajectory import Trajectory
+from megatron_rl.records.trajectory import Trajectory
 
 _TRAJECTORY_FIELDS = ("uid", "group_id", "question", "reference", "answer", "labels",
                       "rewards", "metadata")

@@ -21,34 +21,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_rl.algorithms.advantages import dynamic_sampling_filter, trajectory_flags
-from megatron_rl.rewards.composite import score_group
-from megatron_rl.rollout.engines.base import RolloutEngine
+from megatron_rl.config.schema import SchedulerConfig
+from megatron_rl.engines.base import RolloutEngine
+from megatron_rl.records.prompt import Prompt
+from megatron_rl.records.trajectory import Trajectory
 from megatron_rl.rollout.forest import RolloutForest
-from megatron_rl.rollout.trajectory import Trajectory
-
-
-@dataclass
-class Prompt:
-    question: str
-    answer: str
-    uid: str                       # stable id of the prompt (the group id of its samples)
-    metadata: dict[str, Any] = field(default_factory=dict)  # copied onto its trajectories
-
-
-@dataclass
-class SchedulerConfig:
-    samples_per_prompt: int = 4
-    groups_per_step: int = 2
-    oversample: float = 1.0        # prompts started per needed group (Iris uses ~2)
-    dynamic_sampling: bool = True  # drop zero-variance groups and refill
-    max_refills: int = 4           # rounds of refill before a step gives up filling
-    partial_rollout: bool = False  # cut sessions resume next step from the rollout forest
-
-    def __post_init__(self) -> None:
-        if self.samples_per_prompt < 1 or self.groups_per_step < 1:
-            raise ValueError("samples_per_prompt and groups_per_step must be >= 1")
-        if self.oversample < 1.0:
-            raise ValueError(f"oversample={self.oversample} must be >= 1")
 
 
 @dataclass
@@ -77,13 +54,12 @@ class PendingGroup:
 class RolloutScheduler:
     """Feeds prompts to an agent, a group at a time, until a step has its groups."""
 
-    def __init__(self, agent: Any, engine: RolloutEngine, judge: Any,
-                 prompts: Iterator[Prompt], config: SchedulerConfig | None = None, *,
-                 score: Callable[[list[Trajectory]], Awaitable[Any]] | None = None):
-        """`score(group)` writes the rewards of a finished group; by default the judge's
-        outcome (`rewards.composite.score_group`)."""
-        self.agent, self.engine, self.judge = agent, engine, judge
-        self.score = score or (lambda group: score_group(group, judge))
+    def __init__(self, agent: Any, engine: RolloutEngine, prompts: Iterator[Prompt],
+                 score: Callable[[list[Trajectory]], Awaitable[Any]],
+                 config: SchedulerConfig | None = None):
+        """`score(group)` writes the rewards of a finished group (the task's scorer, e.g.
+        `rewards.composite.score_group` with its judge)."""
+        self.agent, self.engine, self.score = agent, engine, score
         self.prompts, self.cfg = prompts, config or SchedulerConfig()
         self.requeued: deque[PendingGroup] = deque()  # cut last step: first in line
         self.started = 0                              # prompts drawn from `prompts` so far

@@ -14,9 +14,8 @@ from megatron_rl.config.schema import Config
 from megatron_rl.distributed.process_groups import Layout, init_model_parallel
 from megatron_rl.models.builder import DTYPES, build_gpt_model, logprob_output_processor
 from megatron_rl.models.registry import ModelSpec, get_model_spec
-from megatron_rl.models.routing_replay import ROUTED_EXPERTS, RoutingReplay
-from megatron_rl.trainer.batch import TokenBatch
-from megatron_rl.trainer.losses import LossFn
+from megatron_rl.models.routing_replay import RoutingReplay
+from megatron_rl.records.batch import ROUTED_EXPERTS, LossFn, TokenBatch
 from megatron_rl.trainer.microbatching import (
     MicroBatch,
     RowPositionRoPE,
@@ -26,6 +25,9 @@ from megatron_rl.trainer.microbatching import (
     micro_batches,
     packing_unsupported,
 )
+
+# reported-metric keys of a loss's token means and their count (`LossOutput.token_metrics`)
+TOKEN_MEAN, MASKED_TOKENS = "token_mean/", "token_mean/__count__"
 
 
 class MegatronActor:
@@ -64,6 +66,7 @@ class MegatronActor:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.no_sync_func = self.model[0].no_sync
         self.step = 0
+        self._stepped = False  # an optimizer step of the current run step succeeded
         self.optimizer_steps = 0  # successful updates: Adam's bias-correction step
         self.forward_backward_seconds = 0.0  # in megatron's schedules (all passes)
         self._setup_micro_batching(module)
@@ -117,8 +120,12 @@ class MegatronActor:
             parallel.pp > 1 and parallel.sequence_parallel)
 
     # -- steps -------------------------------------------------------------------------------
-    def train_step(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step on a global batch (every rank passes the same batch)."""
+    def train_step(self, batch: TokenBatch, loss_fn: LossFn, *, end_step: bool = True
+                   ) -> dict[str, float]:
+        """One optimizer step on a global batch (every rank passes the same batch).
+
+        A run's step may take several optimizer steps (PPO mini-batches): pass
+        `end_step=False` to all but the last, or call `end_step()` after them."""
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -126,12 +133,20 @@ class MegatronActor:
         metrics = self._forward_backward(batch, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
-            self.scheduler.step(increment=1)
             self.optimizer_steps += 1
-        self.step += 1
-        metrics.update(grad_norm=float(grad_norm or 0.0), lr=self.optimizer.param_groups[0]["lr"],
-                       skipped=float(not ok), step=float(self.step))
+        self._stepped = self._stepped or ok
+        metrics.update(grad_norm=float(grad_norm or 0.0), skipped=float(not ok))
+        if end_step:
+            metrics.update(self.end_step())
         return metrics
+
+    def end_step(self) -> dict[str, float]:
+        """Close a run step: the LR schedule advances once if any optimizer step succeeded."""
+        if self._stepped:
+            self.scheduler.step(increment=1)
+        self._stepped = False
+        self.step += 1
+        return {"lr": self.optimizer.param_groups[0]["lr"], "step": float(self.step)}
 
     @torch.no_grad()
     def evaluate(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -187,6 +202,10 @@ class MegatronActor:
             res = loss_fn(out[..., 0], out[..., 1], mb)
             tokens = res.num_tokens.to(torch.int)
             reported = {k: v.detach().float() for k, v in res.metrics.items()}
+            reported.update({TOKEN_MEAN + k: v.detach().float()
+                             for k, v in res.token_metrics.items()})
+            if res.token_metrics:
+                reported[MASKED_TOKENS] = res.masked_tokens.float()
             reported["loss"] = res.loss_sum.detach().float()
             reported["num_tokens"] = tokens.float()
             return res.loss_sum, tokens, reported
@@ -284,7 +303,9 @@ class MegatronActor:
             sums = dict(zip(keys, flat.tolist(), strict=True))
         sums = self._from_last_stage(sums)
         tokens = max(sums.pop("num_tokens", 0.0), 1.0)
-        out = {k: v / tokens for k, v in sums.items()}
+        masked = max(sums.pop(MASKED_TOKENS, 0.0), 1.0)
+        out = {k.removeprefix(TOKEN_MEAN): v / (masked if k.startswith(TOKEN_MEAN) else tokens)
+               for k, v in sums.items()}
         out["num_tokens"] = tokens
         return out
 

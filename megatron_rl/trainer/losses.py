@@ -1,30 +1,10 @@
-"""The loss protocol the actor trains with, and the plain language-model loss.
-
-A loss sees one micro-batch: per-token log-probs and entropy (already reduced over TP) plus
-the `TokenBatch`. It returns a *sum* over its tokens and the token count; the actor divides by
-the global token count of the whole step, so every layout trains on the same objective.
-"""
+"""The plain language-model loss (the loss protocol is `records.batch.LossFn`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
-
 import torch
 
-from megatron_rl.trainer.batch import TokenBatch
-
-
-@dataclass
-class LossOutput:
-    loss_sum: torch.Tensor
-    num_tokens: torch.Tensor  # int, tokens this micro-batch contributes to the global mean
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # token sums, reported / tokens
-
-
-class LossFn(Protocol):
-    def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor,
-                 batch: TokenBatch) -> LossOutput: ...
+from megatron_rl.records.batch import LossOutput, TokenBatch
 
 
 def lm_loss(logprobs: torch.Tensor, entropy: torch.Tensor, batch: TokenBatch) -> LossOutput:

@@ -46,8 +46,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.models.routing_replay import NOT_ROUTED, ROUTED_EXPERTS
-from megatron_rl.trainer.batch import TokenBatch
+from megatron_rl.records.batch import NOT_ROUTED, ROUTED_EXPERTS, TokenBatch
 
 log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()

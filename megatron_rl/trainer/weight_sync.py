@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpoint.weight_map import Entry, WeightMap
+from megatron_rl.engines.http_client import HttpEngine
+from megatron_rl.engines.tensors import buckets_with_last
 from megatron_rl.models.registry import ModelSpec
-from megatron_rl.rollout.engines.http_client import HttpEngine
-from megatron_rl.rollout.engines.tensors import buckets_with_last
 
 TRANSPORTS = ("tensor", "distributed", "disk")
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")

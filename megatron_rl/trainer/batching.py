@@ -12,17 +12,20 @@ rows, which add nothing to a loss sum nor to its token or sequence count.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from megatron_rl.algorithms.policy_loss import ADVANTAGES
-from megatron_rl.algorithms.rdpo import SequenceAdvantages
-from megatron_rl.models.routing_replay import NOT_ROUTED, ROUTED_EXPERTS
-from megatron_rl.rollout.trajectory import TrainingSequence, Trajectory
-from megatron_rl.trainer.batch import TokenBatch
-
-ROLLOUT_LOGPROBS = "rollout_logprobs"
+from megatron_rl.algorithms.rdpo import SequenceAdvantages, token_advantages
+from megatron_rl.algorithms.reward_managers import turn_advantages
+from megatron_rl.config.schema import RLConfig
+from megatron_rl.records.batch import (
+    ADVANTAGES,
+    NOT_ROUTED,
+    ROLLOUT_LOGPROBS,
+    ROUTED_EXPERTS,
+    TokenBatch,
+)
+from megatron_rl.records.trajectory import TrainingSequence, Trajectory
 
 
 def build_batch(sequences: Sequence[TrainingSequence], advantages: Sequence[SequenceAdvantages],
@@ -70,26 +73,11 @@ def routed_experts(sequences: Sequence[TrainingSequence], rows: int, width: int)
     return out
 
 
-def rl_batch(trajectories: Sequence[Trajectory], rl: Any, *, seq_length: int,
+def rl_batch(trajectories: Sequence[Trajectory], rl: RLConfig, *, seq_length: int,
              rows_multiple: int) -> tuple[TokenBatch | None, dict[str, float]]:
-    """A step's trajectories → per-turn advantages (`rl.reward_manager`) → the trainer's batch;
-    None when no sequence was generated (e.g. every prompt overflowed the context).
-
-    With `rl.overlong_buffer`, DAPO's soft overlong penalty (on the trajectory's generated
-    tokens, against the budget max_turns × max_new_tokens) is added to the outcome reward
-    first; `rewards["overlong_penalty"]` records it."""
-    from megatron_rl.algorithms.policy_loss import overlong_penalty
-    from megatron_rl.algorithms.rdpo import token_advantages
-    from megatron_rl.algorithms.reward_managers import turn_advantages
-
-    if rl.overlong_buffer:
-        budget = rl.max_turns * rl.max_new_tokens
-        for t in trajectories:
-            if "outcome" in t.rewards:
-                length = sum(len(turn.output_ids) for turn in t.turns)
-                penalty = overlong_penalty(length, budget, min(rl.overlong_buffer, budget))
-                t.rewards["overlong_penalty"] = penalty
-                t.rewards["outcome"] += penalty
+    """A step's judged (and shaped, `rewards.shaping`) trajectories → per-turn advantages
+    (`rl.reward_manager`) → the trainer's batch; None when no sequence was generated (e.g.
+    every prompt overflowed the context)."""
     per_turn, metrics = turn_advantages(
         rl.reward_manager, trajectories, estimator=rl.estimator,
         exclude_max_turns_from_loss=rl.exclude_max_turns_from_loss,

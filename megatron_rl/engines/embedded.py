@@ -16,7 +16,7 @@ the temperature-scaled distribution before top-k/top-p (raw logits when greedy, 
 `return_original_logprob`, SGLang's SGLANG_RETURN_ORIGINAL_LOGPROB); output ids include the
 matched stop token; an abort returns the partial output with finish_reason "abort".
 
-    python -m megatron_rl.rollout.engines.embedded --model DIR --port 0   # prints the URL
+    python -m megatron_rl.engines.embedded --model DIR --port 0   # prints the URL
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megatron_rl.rollout.engines.embedded_core import (
+from megatron_rl.engines.embedded_core import (
     GENERATE_FIELDS,
     BadRequest,
     EmbeddedCore,
@@ -47,7 +47,7 @@ from megatron_rl.rollout.engines.embedded_core import (
     is_int,
     typed_field,
 )
-from megatron_rl.rollout.engines.tensors import (
+from megatron_rl.engines.tensors import (
     FLATTENED,
     SharedBucket,
     decode_safetensors,

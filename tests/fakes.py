@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
-from megatron_rl.env.base import ToolResult
-from megatron_rl.rollout.engines.base import (
+from megatron_rl.engines.base import (
     EngineError,
     GenerateRequest,
     GenerateResult,
     NoServerControl,
 )
+from megatron_rl.env.base import ToolResult
 
 Policy = Sequence[str] | Callable[[str], str]
 

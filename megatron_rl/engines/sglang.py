@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.rollout.engines.http_client import HttpEngine
+from megatron_rl.engines.http_client import HttpEngine
 
 log = logging.getLogger(__name__)
 

@@ -28,26 +28,23 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import os
 import shutil
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl.distributed.process_groups import free_port
-from megatron_rl.rollout.engines.base import (
+from megatron_rl.engines.base import (
     EngineError,
     GenerateRequest,
     GenerateResult,
     PauseMode,
 )
-from megatron_rl.rollout.engines.http_client import HttpEngine
-from megatron_rl.rollout.engines.sglang import ServerProcess, SGLangConfig
+from megatron_rl.engines.kinds import EngineSpec
 
 if TYPE_CHECKING:
     import torch
@@ -56,80 +53,6 @@ if TYPE_CHECKING:
     from megatron_rl.distributed.ray_placement import EngineSlot, Placement
 
 log = logging.getLogger(__name__)
-
-# Make the server die with its actor (Linux PR_SET_PDEATHSIG), so a killed actor or driver
-# leaves no orphaned server behind; then exec the real command (the pid stays the server's).
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
-    "os.getppid() == int(sys.argv[1]) or os._exit(1)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n")
-
-
-def die_with_parent(cmd: list[str]) -> list[str]:
-    if not sys.platform.startswith("linux"):
-        return cmd
-    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
-
-
-@dataclass
-class EngineSpec:
-    """How an engine server is launched (travels to the actor, so plain data only)."""
-
-    kind: str = "embedded"                  # embedded | sglang
-    model_path: str | None = None           # HF directory
-    random_init: str | None = None          # embedded: a registry model with random weights
-    seed: int = 0                           # init seed for random_init
-    weight_version: int = 0                 # the version the server starts at
-    max_batch_size: int = 32                # embedded
-    gpus: int = 0                           # sglang: TP size
-    colocated: bool = False                 # sglang: memory saver for release/resume
-    sglang: dict[str, Any] = field(default_factory=dict)  # more SGLangConfig fields
-    env: dict[str, str] = field(default_factory=dict)
-    max_restarts: int = 5
-    health_interval_s: float = 2.0
-    startup_timeout_s: float = 600.0
-    request_timeout_s: float = 3600.0
-    bucket_bytes: int = 512 << 20
-    persist_weight_updates: bool = True
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("embedded", "sglang"):
-            raise ValueError(f"kind={self.kind!r}: 'embedded' or 'sglang'")
-        if (self.model_path is None) == (self.random_init is None) or (
-                self.kind == "sglang" and self.model_path is None):
-            raise ValueError("set model_path (or, embedded only, random_init)")
-
-    def server(self, host: str, port: int, log_path: Path,
-               gpu_ids: list[int] | None = None) -> ServerProcess:
-        env = dict(self.env)
-        if self.kind == "sglang":
-            cfg = SGLangConfig(model_path=str(self.model_path), tp_size=max(self.gpus, 1),
-                               host=host, port=port, weight_version=self.weight_version,
-                               enable_memory_saver=self.colocated, **self.sglang)
-            cmd, env, require = cfg.command(), {**cfg.environment(), **env}, "sglang"
-        else:
-            cmd = [sys.executable, "-m", "megatron_rl.rollout.engines.embedded",
-                   "--host", host, "--port", str(port),
-                   "--weight-version", str(self.weight_version),
-                   "--max-batch-size", str(self.max_batch_size)]
-            cmd += (["--model", str(self.model_path)] if self.model_path
-                    else ["--random-init", str(self.random_init), "--seed", str(self.seed)])
-            require = None
-        if gpu_ids is not None:  # a colocated engine spanning several trainer bundles
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
-        return ServerProcess(die_with_parent(cmd), f"http://{host}:{port}", env=env,
-                             log_path=log_path, startup_timeout_s=self.startup_timeout_s,
-                             require=require)
-
-    def client(self, url: str) -> HttpEngine:
-        if self.kind == "sglang":
-            return HttpEngine(url, timeout_s=self.request_timeout_s, tensor_transport="torch_ipc",
-                              num_tp_payloads=max(self.gpus, 1), bucket_bytes=self.bucket_bytes,
-                              weight_version=self.weight_version)
-        return HttpEngine(url, timeout_s=self.request_timeout_s, bucket_bytes=self.bucket_bytes,
-                          weight_version=self.weight_version)
-
 
 def _no_answer(e: EngineError) -> bool:
     """The server never answered (connection refused/reset, timeout): maybe it died."""
@@ -414,10 +337,10 @@ class EngineActor:
 
     async def stage_weights(self, update_id: str, bucket: list[tuple[str, Any]]) -> None:
         """One bucket of a tensor update: kept on disk (or in memory) until commit."""
-        if self.spec.kind == "sglang":
-            raise EngineError(f"engine {self.name}: SGLang takes tensor handles (torch_ipc) or "
-                              "NCCL broadcasts; send them to urls() directly, or use "
-                              "update_weights_from_disk")
+        if not self.spec.engine_kind().stages_tensors:
+            raise EngineError(f"engine {self.name} ({self.spec.kind}) takes tensor handles "
+                              "(torch_ipc) or NCCL broadcasts; send them to urls() directly, "
+                              "or use update_weights_from_disk")
         if not self.spec.persist_weight_updates:
             self._staged.setdefault(update_id, []).extend(bucket)
             return
@@ -590,7 +513,7 @@ class EnginePool:
         commit (forward to their server, keep for replay): one bucket in flight at most."""
         import ray
 
-        from megatron_rl.rollout.engines.tensors import split_buckets
+        from megatron_rl.engines.tensors import split_buckets
 
         uid = uuid.uuid4().hex[:12]
         for bucket in split_buckets(named_tensors, self.bucket_bytes):
@@ -657,7 +580,8 @@ def launch_rollout(cfg: RolloutConfig, *, model_name: str | None = None, policy:
     """Place and start the policy engines and the aux pools `cfg` describes (Ray must be up:
     `init_ray`). `model_name` (a registry name) serves random weights when
     `rollout.model_path` is unset; `policy=False` or `aux=[names]` start only some pools."""
-    from megatron_rl.distributed.ray_placement import ColocationSchedule, place
+    from megatron_rl.distributed.ray_placement import place
+    from megatron_rl.engines.colocation import ColocationSchedule
 
     placement = placement or place(cfg)
     pools: dict[str, EnginePool] = {}

@@ -1,10 +1,26 @@
-"""The trainer's input: right-padded token rows with a per-target loss mask."""
+"""The trainer's input and a loss's output: right-padded token rows with a per-target loss
+mask, the per-token extras that ride along, and the loss protocol the actor trains with.
+
+A loss sees one micro-batch: per-token log-probs and entropy (already reduced over TP) plus the
+`TokenBatch`. It returns a *sum* over its tokens and a normaliser count; the actor divides by
+the global count of the whole step, so every layout trains on the same objective.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Protocol
 
 import torch
+
+# `TokenBatch.extras` keys, [rows, seq] aligned with the labels unless noted
+ADVANTAGES = "advantages"
+ROLLOUT_LOGPROBS = "rollout_logprobs"     # the engine's, as sampled
+OLD_LOGPROBS = "old_logprobs"             # the trainer's, before the step's first update
+REF_LOGPROBS = "ref_logprobs"             # the KL reference policy's
+IS_WEIGHTS = "rollout_is_weights"         # truncated importance-sampling weights
+ROUTED_EXPERTS = "routed_experts"         # [rows, seq, layers, top_k] long, aligned with inputs
+NOT_ROUTED = -1                           # routed_experts entry of a token the engine never saw
 
 
 @dataclass
@@ -70,3 +86,20 @@ class TokenBatch:
         if self.rows % size:
             raise ValueError(f"{self.rows} rows do not split into micro-batches of {size}")
         return [self.select(slice(i, i + size)) for i in range(0, self.rows, size)]
+
+
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor
+    num_tokens: torch.Tensor  # int: what this micro-batch adds to the global normaliser
+    # sums aggregated as the loss is, reported divided by the global `num_tokens`
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    # sums over trained tokens, reported divided by the global count of trained tokens
+    # (`masked_tokens`): token means whatever the loss's aggregation (verl's pg_clipfrac, ...)
+    token_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    masked_tokens: torch.Tensor | None = None
+
+
+class LossFn(Protocol):
+    def __call__(self, logprobs: torch.Tensor, entropy: torch.Tensor,
+                 batch: TokenBatch) -> LossOutput: ...

@@ -7,9 +7,10 @@ retries are spent, so one bad judge reply cannot crash a batch. The API key is r
 environment variable the config names, sent only in the Authorization header, and scrubbed from
 every message this module produces (a server may echo it back in an error body).
 
-The token bucket, Retry-After parsing and the secret registry are env's (`env/reliability.py`);
-the retry loop is separate from env's `Guard` because judge failures are counted per kind, an
-unparseable reply is retried like a transport error, and a retry moves to the next URL.
+The token bucket, Retry-After parsing and the session holder are `utils/http.py`'s, the secret
+registry is `utils/secrets.py`'s; the retry loop is separate from env's `Guard` because judge
+failures are counted per kind, an unparseable reply is retried like a transport error, and a
+retry moves to the next URL.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from megatron_rl.env.reliability import TokenBucket, parse_retry_after, redact, register_secret
+from megatron_rl.utils.http import LoopBound, SessionHolder, TokenBucket, parse_retry_after
+from megatron_rl.utils.secrets import redact, register_secret
 
 log = logging.getLogger("megatron_rl.rewards")
 T = TypeVar("T")
@@ -111,31 +113,20 @@ class ChatClient:
                 raise ValueError(f"judge API key: environment variable {config.api_key_env} "
                                  "is not set")
             register_secret(self._key)  # scrubbed from every message of rewards/ and env/
-        self.bucket = (TokenBucket(config.requests_per_s, config.burst)
+        self.bucket = (TokenBucket(config.requests_per_s, config.burst, owner=repr(self))
                        if config.requests_per_s > 0 else None)
         self.stats: Counter[str] = Counter()
         self._turn = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._session: aiohttp.ClientSession | None = None
-        self._sem: asyncio.Semaphore | None = None
+        self._http = SessionHolder(repr(self))  # one session (and one cap) for the run
+        self._slots = LoopBound(repr(self), "concurrency cap",
+                                lambda: asyncio.Semaphore(config.max_concurrency))
 
     def __repr__(self) -> str:
         return f"ChatClient(urls={self.config.urls}, model={self.config.model!r})"
 
-    def _bind(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
-        # a session and a semaphore belong to one event loop; callers may run several in turn
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-            self._sem = asyncio.Semaphore(self.config.max_concurrency)
-            self._loop = loop
-        assert self._sem is not None
-        return self._session, self._sem
-
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        """Close the HTTP session; a later call, in any loop, opens a new one."""
+        await self._http.close()
 
     async def __aenter__(self) -> ChatClient:
         return self
@@ -192,8 +183,8 @@ class ChatClient:
         body = {"model": c.model, "messages": messages, "max_tokens": c.max_tokens,
                 "temperature": c.temperature, **c.extra_body}
         headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
-        session, sem = self._bind()
-        async with sem:
+        session = self._http.get()  # first: names the client if the loop is wrong
+        async with self._slots:
             if self.bucket is not None:  # after the slot: a token is spent only when sending
                 await self.bucket.acquire()
             self.stats["attempts"] += 1

@@ -12,13 +12,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from megatron_rl.rewards.client import ChatClient
-from megatron_rl.rollout.engines.base import (
+from megatron_rl.engines.base import (
     EngineError,
     GenerateRequest,
     GenerateResult,
     NoServerControl,
 )
+from megatron_rl.utils.chat_client import ChatClient
 
 _MESSAGE = re.compile(r"<\|im_start\|>(system|user|assistant)\n(.*?)(?:<\|im_end\|>\n?|\Z)",
                       re.DOTALL)

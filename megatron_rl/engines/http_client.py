@@ -20,13 +20,13 @@ import aiohttp
 import numpy as np
 import torch
 
-from megatron_rl.rollout.engines.base import (
+from megatron_rl.engines.base import (
     EngineError,
     GenerateRequest,
     GenerateResult,
     PauseMode,
 )
-from megatron_rl.rollout.engines.tensors import (
+from megatron_rl.engines.tensors import (
     FLATTENED,
     ShmWriter,
     buckets_with_last,
@@ -34,6 +34,7 @@ from megatron_rl.rollout.engines.tensors import (
     encode_safetensors,
     encode_torch_ipc,
 )
+from megatron_rl.utils.http import SessionHolder
 
 TensorTransport = Literal["safetensors", "torch_ipc", "shm"]
 DEFAULT_GROUP = "weight_update_group"
@@ -137,9 +138,8 @@ class HttpEngine:
         self.flattened = flattened
         self.moe_layout = moe_layout
         self._weight_version = weight_version
-        self._session: aiohttp.ClientSession | None = None
+        self._http = SessionHolder(f"HttpEngine({self.url})")  # one session for the run
         self._shm: ShmWriter | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -147,21 +147,12 @@ class HttpEngine:
     def weight_version(self) -> int:
         return self._weight_version
 
-    def _client(self) -> aiohttp.ClientSession:
-        # a session belongs to one event loop; tests and scripts may run several in turn
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            self._session = aiohttp.ClientSession()
-            self._loop = loop
-        return self._session
-
     async def close(self) -> None:
+        """Close the HTTP session (and shm segment); a later call, in any loop, reopens."""
         if self._shm is not None:
             self._shm.close()
             self._shm = None
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        await self._http.close()
 
     async def __aenter__(self) -> HttpEngine:
         return self
@@ -176,8 +167,8 @@ class HttpEngine:
                                         sock_connect=self.connect_timeout_s)
         where = f"{method} {self.url}{endpoint}"
         try:
-            async with self._client().request(method, self.url + endpoint, json=body,
-                                              timeout=timeout) as resp:
+            async with self._http.get().request(method, self.url + endpoint, json=body,
+                                                timeout=timeout) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise EngineError(f"{where} failed with HTTP {resp.status}: {text[:2000]}",

@@ -12,7 +12,7 @@ the router's flags from the `sglang-router` wheel.
 Regenerate (writes tests/fixtures/sglang/{io_struct,server}_<version>.json):
 
     pip download sglang==0.5.23 sglang-router==0.3.2 --no-deps -d /tmp/sgl
-    python -m megatron_rl.rollout.engines.sglang_schema --wheel /tmp/sgl/sglang-0.5.23-*.whl \
+    python -m megatron_rl.engines.sglang_schema --wheel /tmp/sgl/sglang-0.5.23-*.whl \
         --router-wheel /tmp/sgl/sglang_router-0.3.2-*.whl
 
 `validate_body` checks a JSON body against one struct: every key must be a field, every required
@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-FIXTURE_DIR = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "sglang"
+FIXTURE_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "sglang"
 SGLANG_VERSION = "0.5.23"
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def build_fixtures(wheel: Path, router_wheel: Path | None) -> dict[str, dict[str
                             for n in zf.namelist() if "sglang_router-" in n and ".dist-info/" in n)
             server["router"] = {"version": rversion, "flags": extract_router_flags(
                 _read(zf, "sglang_router/router_args.py"))}
-    header = {"generated_by": "python -m megatron_rl.rollout.engines.sglang_schema",
+    header = {"generated_by": "python -m megatron_rl.engines.sglang_schema",
               "source": wheel.name}
     return {
         f"io_struct_{version}.json": {**header, "sglang_version": version, "structs": io_structs},

@@ -1,0 +1,60 @@
+"""`search` (the embedded default): the agent with local search and visit tools over the
+generated world; the outcome judge (`rl.judge`, rule by default) and, when `rl.rubric` names an
+OpenAI-compatible judge, IterSynth's per-turn rubric scores (RDPO)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config.schema import Config
+from megatron_rl.data.world import build_world_index, generate_world
+from megatron_rl.env.registry import TOOLS
+from megatron_rl.records.prompt import Prompt
+from megatron_rl.rewards.composite import build_judge, score_group
+from megatron_rl.rewards.rubric import RubricScorer
+from megatron_rl.tasks.base import Task, build_agents, cycle
+from megatron_rl.utils.chat_client import ClientConfig
+
+TRAIN_QUESTIONS = 64
+
+
+def search_task(cfg: Config, tokenizer: Any, folder: Path,
+                aux_urls: dict[str, list[str]]) -> Task:
+    rl = cfg.rl
+    world = generate_world(num_docs=rl.world_docs, seed=cfg.train.seed)
+    where = folder / f"world-{rl.world_docs}-{cfg.train.seed}"  # deterministic: reusable
+    index = where / "index" if (where / "index").is_dir() else build_world_index(world, where)
+    n_eval = rl.eval_prompts if rl.eval_every else 0
+    unique = list({q.question: q for q in world.questions(
+        TRAIN_QUESTIONS + 4 * n_eval, seed=cfg.train.seed)}.values())
+    if len(unique) <= n_eval:
+        raise ValueError(f"rl.world_docs={rl.world_docs} yields {len(unique)} distinct "
+                         f"questions: too few for rl.eval_prompts={n_eval} held out")
+    held_out, train = unique[:n_eval], unique[n_eval:n_eval + TRAIN_QUESTIONS]
+
+    def prompt(q: Any, uid: str) -> Prompt:
+        return Prompt(q.question, q.answer, uid, metadata={"facts": list(q.facts)})
+
+    tools = [TOOLS.get(name, f"rl.tools[{i}]")(index=index) for i, name in enumerate(rl.tools)]
+    agent, eval_agent = build_agents(cfg, tokenizer, tools)
+    judge = build_judge(client_spec(rl.judge, aux_urls, "rl.judge") if rl.judge else None)
+    rubric = RubricScorer(ClientConfig.from_dict(client_spec(rl.rubric, aux_urls, "rl.rubric"),
+                                                 "rl.rubric")) if rl.rubric else None
+    return Task(cycle(train, prompt), [prompt(q, f"eval{i}") for i, q in enumerate(held_out)],
+                agent, eval_agent, lambda group: score_group(group, judge, rubric),
+                resources=[judge, *([rubric] if rubric else []), *tools])
+
+
+def client_spec(spec: dict[str, Any], aux_urls: dict[str, list[str]], where: str
+                ) -> dict[str, Any]:
+    """A judge spec whose `pool: NAME` is replaced by that aux pool's base URLs (Iris' in-cluster
+    judge); other specs unchanged."""
+    spec = dict(spec)
+    pool = spec.pop("pool", None)
+    if pool is None:
+        return spec
+    if pool not in aux_urls:
+        raise ValueError(f"{where}.pool={pool!r}: no such rollout.aux_pools entry; started: "
+                         f"{', '.join(aux_urls) or 'none'}")
+    return {**spec, "base_url": aux_urls[pool]}
