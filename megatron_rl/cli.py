@@ -287,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="training-free: an agent scaffold over any "
                                      "OpenAI-compatible model, judged (pass@1)")
-    ev.add_argument("--agent", default="itersynth", choices=("itersynth", "react"))
+    ev.add_argument("--agent", default="itersynth",
+                    help="a registered agent (react, itersynth) or an import path module:attr")
     ev.add_argument("--model-url", dest="model_url", required=True,
                     help="OpenAI-compatible base URL ending in /v1")
     ev.add_argument("--model", default="default")

@@ -110,23 +110,20 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
 
     from megatron_rl.agents.base import AgentConfig
     from megatron_rl.agents.context import for_eval
-    from megatron_rl.agents.itersynth import IterSynthAgent
-    from megatron_rl.agents.react import ReActAgent
+    from megatron_rl.agents.registry import AGENTS
     from megatron_rl.engines.base import SamplingParams
     from megatron_rl.engines.openai_chat import OpenAIChatEngine
     from megatron_rl.rewards.composite import build_judge, judge_trajectory
     from megatron_rl.rewards.taxonomy import taxonomy_metrics
     from megatron_rl.utils.chat_client import ChatClient, ClientConfig
 
-    agents = {"itersynth": IterSynthAgent, "react": ReActAgent}
-    if cfg.agent not in agents:
-        raise ValueError(f"agent={cfg.agent!r}: choose one of {', '.join(agents)}")
+    agent_cls = AGENTS.get(cfg.agent, "--agent")
     rows = read_questions(cfg.questions, cfg.limit)
     tokenizer = _tokenizer(cfg)
     agent_cfg = AgentConfig(max_turns=cfg.max_turns, sampling=SamplingParams(
         temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
         max_context_tokens=max(32_768, 4 * cfg.max_new_tokens))
-    agent = for_eval(agents[cfg.agent](tokenizer, _tools(cfg), agent_cfg), discard_all=True,
+    agent = for_eval(agent_cls(tokenizer, _tools(cfg), agent_cfg), discard_all=True,
                      retries=cfg.retries)
     engine = OpenAIChatEngine(ChatClient(ClientConfig(
         base_url=cfg.model_url, model=cfg.model, api_key_env=cfg.api_key_env,

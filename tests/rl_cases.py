@@ -9,9 +9,9 @@ from megatron_rl.algorithms.policy_loss import PolicyLossConfig, make_policy_los
 from megatron_rl.algorithms.rdpo import token_advantages
 from megatron_rl.algorithms.tis import TISConfig
 from megatron_rl.checkpoint.training_checkpoint import load_checkpoint
+from megatron_rl.records.batch import OLD_LOGPROBS
 from megatron_rl.records.trajectory import Trajectory, Turn
 from megatron_rl.trainer.batching import build_batch
-from megatron_rl.records.batch import OLD_LOGPROBS
 from megatron_rl.trainer.policy_update import policy_update, policy_update_steps
 from tests import dist_cases
 

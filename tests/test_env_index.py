@@ -7,7 +7,6 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,7 +14,7 @@ import pytest
 
 from megatron_rl.cli import main as cli_main
 from megatron_rl.data.world import build_world_index, generate_world, write_corpus
-from megatron_rl.env.base import Tool, Toolbox, ToolResult, tool_spec, validate_arguments
+from megatron_rl.env.base import Tool, ToolResult, tool_spec, validate_arguments
 from megatron_rl.env.index import CorpusError, IndexOpenError, SearchIndex, build_index
 from megatron_rl.env.search import LocalSearch
 from megatron_rl.env.visit import ExtractiveSummarizer, LocalPages, Visit
@@ -184,17 +183,16 @@ def test_local_search_and_visit_answer_a_two_hop_question(world, index):
     search = LocalSearch(index)
     visit = Visit(LocalPages(index), ExtractiveSummarizer(max_chars=400))
     assert isinstance(search, Tool) and isinstance(visit, Tool)
-    box = Toolbox([search, visit])
-    assert [s["function"]["name"] for s in box.specs()] == ["search", "visit"]
+    assert [tool_spec(t)["function"]["name"] for t in (search, visit)] == ["search", "visit"]
     assert tool_spec(search)["function"]["parameters"]["required"] == ["query"]
     q = next(q for q in world.questions(30, seed=2) if q.kind == "founder_birth_city")
 
     async def agent() -> list[ToolResult]:
-        r1 = await box.call("search", json.dumps({"query": q.question, "top_k": 3}))
-        r2 = await box.call("visit", {"url": r1.data[0]["url"], "goal": "who founded it"})
+        r1 = await search(query=q.question, top_k=3)
+        r2 = await visit(url=r1.data[0]["url"], goal="who founded it")
         founder = re.search(r"founded in \d+ by ([^.]+)\.", r2.content).group(1)
-        r3 = await box.call("search", {"query": founder})
-        r4 = await box.call("visit", {"url": r3.data[0]["url"], "goal": "where was he born"})
+        r3 = await search(query=founder)
+        r4 = await visit(url=r3.data[0]["url"], goal="where was he born")
         return [r1, r2, r3, r4]
 
     results = asyncio.run(agent())
@@ -205,33 +203,20 @@ def test_local_search_and_visit_answer_a_two_hop_question(world, index):
     assert results[0].content.startswith(f"A search for '{q.question}' found 3 results:")
 
 
-class _Broken:
-    """A tool not built on ManagedTool that raises: the toolbox still labels it."""
-
-    name, description, failure_label = "broken", "raises", "visit_error"
-    parameters: ClassVar[dict] = {"type": "object", "properties": {}}
-
-    async def __call__(self, /, **arguments: object) -> ToolResult:
-        raise RuntimeError("bug")
-
-
-def test_toolbox_and_visit_failures_are_labelled(index):
-    box = Toolbox([LocalSearch(index), Visit(LocalPages(index)), _Broken()])
+def test_bad_arguments_and_visit_failures_are_labelled(index):
+    search, visit = LocalSearch(index), Visit(LocalPages(index))
 
     async def calls() -> list[ToolResult]:
-        out = [await box.call("browse", {}), await box.call("search", "{not json"),
-               await box.call("search", "[1]"), await box.call("search", {"q": "x"}),
-               await box.call("visit", {"url": "https://nowhere.test/"}),
-               await box.call("broken", None)]
-        await box.close()
+        out = [await search(q="x"), await search(query=""),
+               await visit(url="https://nowhere.test/", goal="g")]
+        await visit.close()
         return out
 
     rs = asyncio.run(calls())
-    assert [r.error for r in rs] == ["bad_arguments"] * 4 + ["visit_error"] * 2
-    assert rs[5].detail == "RuntimeError: bug"
+    assert [r.error for r in rs] == ["bad_arguments", "bad_arguments", "visit_error"]
     assert all(not r.ok and r.content.startswith("[") for r in rs)
-    assert "unknown tool 'browse'" in rs[0].detail
-    assert "no page at https://nowhere.test/" in rs[4].detail
+    assert "unknown argument(s) ['q']" in rs[0].detail
+    assert "no page at https://nowhere.test/" in rs[2].detail
 
 
 def test_extractive_summarizer_keeps_goal_passages():

@@ -18,7 +18,6 @@ from megatron_rl.engines.sglang import (
     SGLangConfig,
     SGLangNotInstalled,
     SGLangRouterConfig,
-    SGLangServer,
     require_module,
 )
 from megatron_rl.engines.sglang_schema import load_fixture
@@ -94,10 +93,12 @@ def test_engine_for_sglang_sends_ipc_payloads_per_tp_rank() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang installed")
-def test_missing_sglang_is_a_clear_error() -> None:
+def test_missing_sglang_is_a_clear_error(tmp_path) -> None:
+    from megatron_rl.engines.kinds import EngineSpec
+
     with pytest.raises(SGLangNotInstalled, match=r"'sglang' is not importable.*"
                        + INSTALL_HINT.replace(".", r"\.").replace("[", r"\[")):
-        SGLangServer(SGLangConfig(model_path="m")).start()
+        EngineSpec(kind="sglang", model_path="m").server("127.0.0.1", 1, tmp_path / "log").start()
     with pytest.raises(SGLangNotInstalled, match="sglang_router"):
         require_module("sglang_router", sys.executable)
 

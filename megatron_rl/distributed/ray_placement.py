@@ -119,13 +119,6 @@ def init_ray(cfg: RolloutConfig | None = None, *, address: str | None = None,
     return got
 
 
-def shutdown_ray() -> None:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 # -- placement ----------------------------------------------------------------------------------
 
 

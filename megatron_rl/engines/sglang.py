@@ -309,19 +309,3 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-class SGLangServer(ServerProcess):
-    def __init__(self, config: SGLangConfig, **kw: Any):
-        super().__init__(config.command(), config.url, env=config.environment(),
-                         require="sglang", **kw)
-        self.config = config
-
-    def engine(self, **kw: Any) -> HttpEngine:
-        return self.config.engine(**kw)
-
-
-class SGLangRouter(ServerProcess):
-    def __init__(self, config: SGLangRouterConfig, **kw: Any):
-        super().__init__(config.command(), config.url, require="sglang_router", **kw)
-        self.config = config

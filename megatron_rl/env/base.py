@@ -8,7 +8,6 @@ validated against the tool's JSON schema first (`bad_arguments`, never an except
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -122,43 +121,3 @@ def validate_arguments(schema: dict[str, Any], arguments: dict[str, Any]) -> str
         if (msg := _check_value(key, value, props[key])) is not None:
             return msg
     return None
-
-
-class Toolbox:
-    """Tools by name; `call` takes the raw arguments a model produced (dict or JSON text)."""
-
-    def __init__(self, tools: list[Tool]):
-        self.tools: dict[str, Tool] = {t.name: t for t in tools}
-
-    def specs(self) -> list[dict[str, Any]]:
-        return [tool_spec(t) for t in self.tools.values()]
-
-    async def call(self, name: str, arguments: dict[str, Any] | str | None) -> ToolResult:
-        tool = self.tools.get(name)
-        if tool is None:
-            return ToolResult.failure("bad_arguments", f"unknown tool {name!r}; available: "
-                                      f"{sorted(self.tools)}", tool=str(name))
-        if arguments is None or arguments == "":
-            arguments = {}
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError as e:
-                return ToolResult.failure("bad_arguments", f"arguments are not valid JSON: {e}",
-                                          tool=name)
-        if not isinstance(arguments, dict):
-            return ToolResult.failure("bad_arguments", "arguments must be a JSON object, got "
-                                      f"{type(arguments).__name__}", tool=name)
-        try:
-            return await tool(**arguments)
-        except Exception as e:  # tools built on ManagedTool never raise; others might
-            from megatron_rl.utils.secrets import redact
-
-            label = getattr(tool, "failure_label", "search_error")
-            return ToolResult.failure(label, redact(f"{type(e).__name__}: {e}"), tool=name)
-
-    async def close(self) -> None:
-        for tool in self.tools.values():
-            close = getattr(tool, "close", None)
-            if close is not None:
-                await close()

@@ -328,13 +328,6 @@ def assemble(batch: TokenBatch, micro: list[MicroBatch], outputs: list[torch.Ten
     return full
 
 
-def padded_token_fraction(micro: list[MicroBatch]) -> float:
-    """Share of the model's input positions that are padding."""
-    total = sum(mb.valid.numel() for mb in micro)
-    real = sum(int(mb.valid.sum()) for mb in micro)
-    return 1.0 - real / max(total, 1)
-
-
 # -- model support -------------------------------------------------------------------------
 def packing_unsupported(spec: Any, cfg: Any) -> str | None:
     """Why this model/layout cannot run packed rows here (None = it can)."""
