@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.algorithms.advantages import trajectory_advantages
 from megatron_rl.algorithms.policy_loss import PolicyLossConfig, make_policy_loss_fn
 from megatron_rl.algorithms.rdpo import token_advantages
+from megatron_rl.algorithms.reward_managers import turn_advantages
 from megatron_rl.algorithms.tis import TISConfig
 from megatron_rl.checkpoint.training_checkpoint import load_checkpoint
 from megatron_rl.records.batch import OLD_LOGPROBS
@@ -33,10 +33,9 @@ def group_of_rollouts(rewards=(1.0, 0.0, 0.0, 1.0), seed: int = 5) -> list[Traje
 
 def rollout_batch():
     trajs = group_of_rollouts()
-    adv = trajectory_advantages(trajs)
+    adv, _ = turn_advantages("grpo", trajs)
     seqs = [t.sequences()[0] for t in trajs]
-    per_token = [token_advantages([s], [a])[0] for s, a in zip(seqs, adv.advantages,
-                                                                 strict=True)]
+    per_token = [token_advantages([s], a)[0] for s, a in zip(seqs, adv, strict=True)]
     return build_batch(seqs, per_token, seq_length=SEQ, pad_id=0, rows_multiple=2), adv
 
 

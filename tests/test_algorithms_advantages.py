@@ -10,8 +10,9 @@ import pytest
 from megatron_rl.algorithms.advantages import (
     dynamic_sampling_filter,
     group_normalize,
-    trajectory_advantages,
+    trajectory_flags,
 )
+from megatron_rl.algorithms.reward_managers import turn_advantages
 from megatron_rl.records.trajectory import Trajectory, Turn
 
 
@@ -67,15 +68,14 @@ def test_exclusion_follows_the_taxonomy():
              _traj("judge", "g", None, "judge_error"),         # no reward: out
              _traj("turns", "g", 0.0, "max_turns")]            # model failure: stays in
     # statistics over ok, degenerate, turns = [1, 0, 0], mean 1/3 (Dr.GRPO: r - 1/3)
-    res = trajectory_advantages(trajs, estimator="dr_grpo")
-    assert res.advantages == pytest.approx([2 / 3, -1 / 3, 0.0, 0.0, -1 / 3])
-    assert res.in_stats == [True, True, False, False, True]
-    assert res.in_loss == res.in_stats
+    adv, metrics = turn_advantages("grpo", trajs, estimator="dr_grpo")
+    assert [a[0] for a in adv] == pytest.approx([2 / 3, -1 / 3, None, None, -1 / 3])
+    assert trajectory_flags(trajs) == ([True, True, False, False, True],) * 2
     # the switch keeps max_turns in the mean (still 1/3) but out of the loss
-    res = trajectory_advantages(trajs, estimator="dr_grpo", exclude_max_turns_from_loss=True)
-    assert res.advantages == pytest.approx([2 / 3, -1 / 3, 0.0, 0.0, 0.0])
-    assert res.in_loss == [True, True, False, False, False]
-    assert res.metrics == {"adv/excluded_fraction": 0.4, "adv/masked_fraction": 0.6}
+    adv, metrics = turn_advantages("grpo", trajs, estimator="dr_grpo",
+                                   exclude_max_turns_from_loss=True)
+    assert [a[0] for a in adv] == pytest.approx([2 / 3, -1 / 3, None, None, None])
+    assert metrics["adv/excluded_fraction"] == 0.4 and metrics["adv/masked_fraction"] == 0.6
 
 
 def test_dynamic_sampling_drops_zero_variance_groups():

@@ -6,12 +6,10 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.algorithms.rdpo import (
-    end_to_end_advantages,
-    multi_candidate_advantages,
-    pipeline_outcome_advantages,
     rdpo_advantages,
     token_advantages,
 )
+from megatron_rl.algorithms.reward_managers import turn_advantages
 from megatron_rl.records.trajectory import Trajectory, Turn
 from megatron_rl.rewards.composite import RewardWeights
 
@@ -72,14 +70,11 @@ def test_max_turns_switch_keeps_stats_masks_loss():
 
 def test_simpler_managers():
     # pipeline outcome-only ignores the rubrics: pools [1, 0] in group g -> +-0.5
-    adv = pipeline_outcome_advantages(TRAJS, estimator="dr_grpo")
+    adv, _ = turn_advantages("pipeline_outcome", TRAJS, estimator="dr_grpo")
     assert adv[:3] == [[0.5, 0.5], [-0.5, -0.5], [None, None]]
     # end-to-end: one advantage per trajectory over outcomes [1, 0] of group g (t3 excluded)
-    adv = end_to_end_advantages(TRAJS, estimator="dr_grpo")
+    adv, _ = turn_advantages("end_to_end", TRAJS, estimator="dr_grpo")
     assert adv == [[0.5, 0.5], [-0.5, -0.5], [None, None], [0.0, 0.0]]
-    # multi-candidate: prompt 0 scores [1, 0, 0, 1] (biased std 0.5 -> +-1), prompt 1 [3] -> 0
-    adv = multi_candidate_advantages([[1.0, 0.0, 0.0, 1.0], [3.0]], unbiased_std=False, eps=0)
-    assert adv == [[1.0, -1.0, -1.0, 1.0], [0.0]]
 
 
 def test_token_mapping_itersynth_and_react():

@@ -49,11 +49,12 @@ def test_cuda_tensor_module_list_covers_megatron():
     assert expected == set(cpu_compat.TORCH_TENSOR_CUDA_MODULES)
 
 
-HF_AFTER_SHIMS = """
+HF_LOGITS = """
 import sys, torch
 sys.path.insert(0, ".")
-from megatron_rl.models import cpu_compat
-cpu_compat.apply()
+if sys.argv[3] == "shims":
+    from megatron_rl.models import cpu_compat
+    cpu_compat.apply()
 from tests import conversion_cases as cc
 torch.save(cc.hf_logits(sys.argv[1], cc.tokens(512)), sys.argv[2])
 """
@@ -66,8 +67,10 @@ def test_transformers_unaffected_by_shims(tmp_path):
 
     hf = tmp_path / "hf"
     cc.save_random_hf("tiny-moe", str(hf))
-    ref = cc.hf_logits(str(hf), cc.tokens(512))
-    subprocess.run([sys.executable, "-c", HF_AFTER_SHIMS, str(hf), str(tmp_path / "l.pt")],
-                   check=True, capture_output=True)
-    got = torch.load(tmp_path / "l.pt", weights_only=True)
-    assert torch.equal(got, ref)
+    out = {}
+    for mode in ("plain", "shims"):  # fresh processes alike (threads, imports): only the shims
+        path = tmp_path / f"{mode}.pt"  # differ
+        subprocess.run([sys.executable, "-c", HF_LOGITS, str(hf), str(path), mode], check=True,
+                       capture_output=True)
+        out[mode] = torch.load(path, weights_only=True)
+    assert torch.equal(out["shims"], out["plain"])

@@ -84,32 +84,6 @@ def trajectory_flags(trajectories: Sequence[Trajectory], reward_key: str = "outc
 
 
 @dataclass
-class TrajectoryAdvantages:
-    advantages: list[float]   # one per trajectory; 0 where not in the statistics
-    in_stats: list[bool]      # counted in its group's mean/std
-    in_loss: list[bool]       # trained on (False: the driver zeroes its loss mask)
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        n = max(len(self.advantages), 1)
-        return {"adv/excluded_fraction": sum(not s for s in self.in_stats) / n,
-                "adv/masked_fraction": sum(not m for m in self.in_loss) / n}
-
-
-def trajectory_advantages(trajectories: Sequence[Trajectory], *, reward_key: str = "outcome",
-                          estimator: Estimator = "grpo", unbiased_std: bool = True,
-                          eps: float = 1e-6, exclude_max_turns_from_loss: bool = False
-                          ) -> TrajectoryAdvantages:
-    """One advantage per trajectory from `rewards[reward_key]`, grouped by `group_id`."""
-    in_stats, in_loss = trajectory_flags(trajectories, reward_key, exclude_max_turns_from_loss)
-    rewards = [t.rewards.get(reward_key, 0.0) for t in trajectories]
-    adv = group_normalize(rewards, [t.group_id for t in trajectories], in_stats,
-                          estimator=estimator, unbiased_std=unbiased_std, eps=eps)
-    adv = [a if m else 0.0 for a, m in zip(adv, in_loss, strict=True)]
-    return TrajectoryAdvantages(adv, in_stats, in_loss)
-
-
-@dataclass
 class DynamicSampling:
     keep: list[bool]             # per item: its group has reward variance
     kept_groups: list[Hashable]

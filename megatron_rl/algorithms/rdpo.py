@@ -7,13 +7,8 @@ Planner's turns are normalised against the Planner turns of the same prompt's tr
 the Synthesizer's against the Synthesizer's, never across roles. `mixed_roles=True` pools all
 turns of a group together (the paper's ablation).
 
-The simpler reward managers, each a thin wrapper:
-- `pipeline_outcome_advantages` (outcome-only, PS pipeline): RDPO with w_rubric = 0, i.e. the
-  trajectory's outcome on every turn, normalised per role pool.
-- `end_to_end_advantages`: one trajectory-level advantage (GRPO over the group's outcomes),
-  the same on every turn; roles are ignored.
-- `multi_candidate_advantages`: several candidate answers per prompt, each scored; standard
-  GRPO over each prompt's candidates.
+The other reward managers (outcome-only per role pool, end to end, C-GRPO, ...) are in
+`reward_managers.py`.
 
 Per-turn results are `list[float | None]` per trajectory; None means "not trained" (environment
 failure, or `max_turns` with `exclude_max_turns_from_loss`).
@@ -27,7 +22,6 @@ from dataclasses import dataclass
 from megatron_rl.algorithms.advantages import (
     Estimator,
     group_normalize,
-    trajectory_advantages,
     trajectory_flags,
 )
 from megatron_rl.records.trajectory import TrainingSequence, Trajectory
@@ -62,28 +56,6 @@ def rdpo_advantages(trajectories: Sequence[Trajectory], weights: RewardWeights |
         turn_adv = [next(flat) for _ in traj.turns]
         out.append(turn_adv if trained else [None] * len(traj.turns))
     return out
-
-
-def pipeline_outcome_advantages(trajectories: Sequence[Trajectory], **kw) -> list[TurnAdvantages]:
-    """Outcome-only reward for the Planner/Synthesizer pipeline, normalised per role pool."""
-    return rdpo_advantages(trajectories, RewardWeights(outcome=1.0, rubric=0.0), **kw)
-
-
-def end_to_end_advantages(trajectories: Sequence[Trajectory], **kw) -> list[TurnAdvantages]:
-    """One GRPO-family advantage per trajectory from its outcome, broadcast to every turn.
-    Keyword arguments go to `trajectory_advantages` (estimator, std, exclusion switch)."""
-    res = trajectory_advantages(trajectories, **kw)
-    return [[a if trained else None] * len(t.turns)
-            for t, a, trained in zip(trajectories, res.advantages, res.in_loss, strict=True)]
-
-
-def multi_candidate_advantages(scores: Sequence[Sequence[float]], **kw) -> list[list[float]]:
-    """GRPO over each prompt's scored candidates; `scores[p][c]` is candidate c of prompt p.
-    Keyword arguments go to `group_normalize` (estimator, unbiased_std, eps)."""
-    flat = [s for cands in scores for s in cands]
-    keys = [p for p, cands in enumerate(scores) for _ in cands]
-    adv = iter(group_normalize(flat, keys, **kw))
-    return [[next(adv) for _ in cands] for cands in scores]
 
 
 @dataclass

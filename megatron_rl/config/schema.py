@@ -159,6 +159,8 @@ class RolloutConfig:
             if pool.model_path is None and self.model_path is None:
                 raise ConfigError(f"{where}.model_path: required when rollout.model_path is "
                                   "not set")
+            if pool.engine_cpus <= 0 and pool.engine_gpus == 0:
+                raise ConfigError(f"{where}.engine_cpus: a bundle needs a CPU or a GPU")
             if pool.engine == "sglang" and pool.engine_gpus < 1:
                 raise ConfigError(f"{where}.engine_gpus={pool.engine_gpus}: engine=sglang "
                                   "needs >= 1")
@@ -180,6 +182,12 @@ class RolloutConfig:
             if self.engine_gpus < 1:
                 raise ConfigError(f"rollout.engine_gpus={self.engine_gpus}: engine=sglang "
                                   "needs >= 1")
+        if self.trainer_cpus <= 0 and self.trainer_gpus == 0:
+            raise ConfigError("rollout.trainer_cpus: a trainer bundle needs a CPU or a GPU "
+                              "(rollout.trainer_gpus)")
+        if self.layout == "disaggregated" and self.engine_cpus <= 0 and self.engine_gpus == 0:
+            raise ConfigError("rollout.engine_cpus: an engine bundle needs a CPU or a GPU "
+                              "(rollout.engine_gpus)")
         if self.layout == "colocated":
             self._check_colocated()
 

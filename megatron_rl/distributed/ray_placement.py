@@ -58,14 +58,9 @@ def nic_ipv4(nic: str, field_name: str = "rollout.nic") -> str:
 
 
 def resolve_node_ip(node_ip: str | None = None, nic: str | None = None) -> str:
-    """`node_ip`, else the IPv4 of `nic`, else 127.0.0.1 (a local run)."""
-    if node_ip is not None and nic is not None:
-        raise ConfigError("rollout.nic: set rollout.node_ip or rollout.nic, not both")
+    """`node_ip`, else the IPv4 of `nic`, else 127.0.0.1 (a local run); both come from a
+    validated `RolloutConfig`."""
     if node_ip is not None:
-        try:
-            ipaddress.IPv4Address(node_ip)
-        except ValueError:
-            raise ConfigError(f"rollout.node_ip={node_ip!r}: not an IPv4 address") from None
         return node_ip
     return nic_ipv4(nic) if nic is not None else LOOPBACK
 
@@ -240,21 +235,11 @@ def place(cfg: RolloutConfig, *, timeout_s: float = 60.0) -> Placement:
 
     trainer_b = bundle(cfg.trainer_cpus, cfg.trainer_gpus)
     engine_b = bundle(cfg.engine_cpus, cfg.engine_gpus)
-    if not trainer_b:
-        raise ConfigError("rollout.trainer_cpus: a trainer bundle needs a CPU or a GPU "
-                          "(rollout.trainer_gpus)")
-    if not cfg.layout == "colocated" and not engine_b:
-        raise ConfigError("rollout.engine_cpus: an engine bundle needs a CPU or a GPU "
-                          "(rollout.engine_gpus)")
     requests = [trainer_b] * cfg.trainer_ranks
     if cfg.layout == "disaggregated":
         requests += [engine_b] * cfg.num_engines
-    for name, pool in cfg.aux_pools.items():
-        b = bundle(pool.engine_cpus, pool.engine_gpus)
-        if not b:
-            raise ConfigError(f"rollout.aux_pools.{name}.engine_cpus: a bundle needs a CPU or "
-                              "a GPU")
-        requests += [b] * pool.num_engines
+    for pool in cfg.aux_pools.values():
+        requests += [bundle(pool.engine_cpus, pool.engine_gpus)] * pool.num_engines
     _check_fits(requests, "trainer ranks, engines and aux pools")
 
     strategy = cfg.placement_strategy

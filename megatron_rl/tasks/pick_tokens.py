@@ -11,14 +11,8 @@ from typing import Any
 
 from megatron_rl.config.schema import Config
 from megatron_rl.records.prompt import Prompt
-from megatron_rl.records.trajectory import Trajectory
+from megatron_rl.rewards.sanity import score_even_tokens
 from megatron_rl.tasks.base import Task, build_agents, cycle
-
-
-async def score_even_tokens(group: list[Trajectory]) -> None:
-    for t in group:
-        ids = [i for turn in t.turns for i in turn.output_ids]
-        t.rewards["outcome"] = sum(i % 2 == 0 for i in ids) / max(len(ids), 1)
 
 
 def pick_tokens_task(cfg: Config, tokenizer: Any, folder: Path,
