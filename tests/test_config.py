@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -73,3 +74,39 @@ def test_cli_config_show(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "config", "show",
                           "tiny-moe-cpu", "train.lr=1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "did you mean 'optim.lr'" in bad.stderr
+
+
+@pytest.mark.parametrize("override", ["optim.lr=nan", "optim.lr=.inf", "rl.temperature=nan",
+                                      "rl.loss.clip_ratio_high=1e999", "train.seed=.nan",
+                                      "rl.tis.threshold=-.inf"])
+def test_non_finite_numbers_are_refused(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}=.*(finite|integer)"):
+        load_config("tiny-moe-rl-cpu", [override])
+
+
+def test_yaml_tags_that_build_objects_are_refused(tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(ConfigError, match=r"override 'train.output_dir=!!python.*not valid YAML"):
+        load_config("tiny-moe-cpu", [f"train.output_dir=!!python/object/apply:os.system "
+                                     f"['touch {marker}']"])
+    recipe = tmp_path / "evil.yaml"
+    recipe.write_text(f"train:\n  output_dir: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(recipe))}: not valid YAML"):
+        load_config(str(recipe))
+    assert not marker.exists()
+
+
+def test_non_utf8_recipe_and_duplicate_keys_name_the_file(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("train:\n  output_dir: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(bad))}: not UTF-8 text \(byte 24\)"):
+        load_config(str(bad))
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("optim:\n  lr: 1.0e-3\n  lr: 1.0e-6\n")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(dup))}: .*duplicate key 'lr'"):
+        load_config(str(dup))
+    # the same key in two different mappings is fine
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("optim:\n  lr: 1.0e-3\ntrain:\n  seed: 3\n")
+    assert load_config(str(ok)).optim.lr == 1e-3

@@ -18,6 +18,28 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_ROOT = REPO_ROOT / "configs"
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """Safe YAML (no tags that build objects, no duplicate keys); errors name `where`."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no object-building tags
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """`["train.lr=1e-6", "parallel.tp=2"]` → nested dict (values parsed as YAML scalars)."""
     nested: dict[str, Any] = {}
@@ -27,7 +49,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, raw = item.split("=", 1)
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override '{item}': empty key")
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_yaml(raw, f"override '{item}'") if raw != "" else ""
         node = nested
         *parents, leaf = key.split(".")
         for p in parents:
@@ -64,9 +86,12 @@ def resolve_recipe(recipe: str) -> Path:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    data = load_yaml(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     return data
