@@ -85,6 +85,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class DataConfig:
+    """`data`: the prompt source. verl-schema parquet/JSONL files (`data/parquet.py`); empty =
+    the task's own prompts (the generated world's questions for `search`)."""
+
+    train_files: tuple[str, ...] = bounded((), help="training prompts (.parquet / .jsonl)")
+    val_files: tuple[str, ...] = bounded((), help="held-out prompts for rl.eval_every")
+    curriculum: str = bounded("none", choices=("none", "bucket"),
+                              help="bucket: walk extra_info.bucket (or .difficulty) in order")
+
+
+@dataclass
 class AuxPoolConfig:
     """An auxiliary engine pool (judge, summarizer) placed beside the policy engines and handed
     to its callers as OpenAI-compatible base URLs (`http://IP:PORT/v1`)."""
@@ -342,6 +353,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 

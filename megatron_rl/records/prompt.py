@@ -12,3 +12,5 @@ class Prompt:
     answer: str
     uid: str                       # stable id of the prompt (the group id of its samples)
     metadata: dict[str, Any] = field(default_factory=dict)  # copied onto its trajectories
+    # the data's own chat (verl `prompt` column); None: the agent writes its own from question
+    messages: list[dict[str, str]] | None = None

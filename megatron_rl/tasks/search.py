@@ -4,10 +4,13 @@ OpenAI-compatible judge, IterSynth's per-turn rubric scores (RDPO)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from megatron_rl.config.schema import Config
+from megatron_rl.data.parquet import read_prompts
 from megatron_rl.data.world import build_world_index, generate_world
 from megatron_rl.env.registry import TOOLS
 from megatron_rl.records.prompt import Prompt
@@ -25,25 +28,48 @@ def search_task(cfg: Config, tokenizer: Any, folder: Path,
     world = generate_world(num_docs=rl.world_docs, seed=cfg.train.seed)
     where = folder / f"world-{rl.world_docs}-{cfg.train.seed}"  # deterministic: reusable
     index = where / "index" if (where / "index").is_dir() else build_world_index(world, where)
+    tools = [TOOLS.get(name, f"rl.tools[{i}]")(index=index) for i, name in enumerate(rl.tools)]
     n_eval = rl.eval_prompts if rl.eval_every else 0
+    if cfg.data.train_files:
+        prompts, held_out = data_prompts(cfg, [t.name for t in tools], n_eval)
+    else:
+        prompts, held_out = world_prompts(cfg, world, n_eval)
+    agent, eval_agent = build_agents(cfg, tokenizer, tools)
+    judge = build_judge(client_spec(rl.judge, aux_urls, "rl.judge") if rl.judge else None)
+    rubric = RubricScorer(ClientConfig.from_dict(client_spec(rl.rubric, aux_urls, "rl.rubric"),
+                                                 "rl.rubric")) if rl.rubric else None
+    return Task(prompts, held_out, agent, eval_agent,
+                lambda group: score_group(group, judge, rubric),
+                resources=[judge, *([rubric] if rubric else []), *tools])
+
+
+def world_prompts(cfg: Config, world: Any, n_eval: int) -> tuple[Iterator[Prompt], list[Prompt]]:
+    """The generated world's questions: the first `n_eval` distinct ones held out."""
     unique = list({q.question: q for q in world.questions(
         TRAIN_QUESTIONS + 4 * n_eval, seed=cfg.train.seed)}.values())
     if len(unique) <= n_eval:
-        raise ValueError(f"rl.world_docs={rl.world_docs} yields {len(unique)} distinct "
+        raise ValueError(f"rl.world_docs={cfg.rl.world_docs} yields {len(unique)} distinct "
                          f"questions: too few for rl.eval_prompts={n_eval} held out")
     held_out, train = unique[:n_eval], unique[n_eval:n_eval + TRAIN_QUESTIONS]
 
     def prompt(q: Any, uid: str) -> Prompt:
         return Prompt(q.question, q.answer, uid, metadata={"facts": list(q.facts)})
 
-    tools = [TOOLS.get(name, f"rl.tools[{i}]")(index=index) for i, name in enumerate(rl.tools)]
-    agent, eval_agent = build_agents(cfg, tokenizer, tools)
-    judge = build_judge(client_spec(rl.judge, aux_urls, "rl.judge") if rl.judge else None)
-    rubric = RubricScorer(ClientConfig.from_dict(client_spec(rl.rubric, aux_urls, "rl.rubric"),
-                                                 "rl.rubric")) if rl.rubric else None
-    return Task(cycle(train, prompt), [prompt(q, f"eval{i}") for i, q in enumerate(held_out)],
-                agent, eval_agent, lambda group: score_group(group, judge, rubric),
-                resources=[judge, *([rubric] if rubric else []), *tools])
+    return cycle(train, prompt), [prompt(q, f"eval{i}") for i, q in enumerate(held_out)]
+
+
+def data_prompts(cfg: Config, tool_names: list[str], n_eval: int
+                 ) -> tuple[Iterator[Prompt], list[Prompt]]:
+    """`data.train_files` cycled epoch by epoch (uids `<file>:<index>.e<epoch>`), and the
+    first `n_eval` rows of `data.val_files` held out."""
+    data = cfg.data
+    train = read_prompts(data.train_files, tool_names=tool_names, curriculum=data.curriculum)
+    held_out = read_prompts(data.val_files, tool_names=tool_names)[:n_eval] \
+        if data.val_files and n_eval else []
+    def epoch_uid(p: Prompt, uid: str) -> Prompt:
+        return dataclasses.replace(p, uid=f"{p.uid}.{uid.rsplit('.')[-1]}")
+
+    return cycle(train, epoch_uid), held_out
 
 
 def client_spec(spec: dict[str, Any], aux_urls: dict[str, list[str]], where: str

@@ -1,0 +1,174 @@
+"""Prompts from verl-schema parquet (or JSONL) files, checked at load.
+
+One row per prompt, the columns verl's RL datasets use:
+
+- `data_source` (str): kept in the prompt's metadata (per-source metrics, judges);
+- `prompt` (list of {role, content}, or a bare string): the chat the model sees; its last user
+  message is the question;
+- `ability` (str, optional): metadata;
+- `reward_model` ({ground_truth: str | list | {target: str | list}, style?}): the reference
+  answer(s), verl's plain string or LiteResearcher's nested target;
+- `extra_info` (dict, optional): `index` (the row's id), `bucket` / `difficulty` (curriculum),
+  anything else kept;
+- `tools_kwargs` (dict, optional, or `extra_info.tools_kwargs`): per-tool arguments; its keys
+  must be tool names.
+
+Every problem is a `DataError` naming the file, the row and the field, raised when the files
+are read (a `tools_kwargs` key that is no tool fails here, not mid-rollout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.records.prompt import Prompt
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_TEXT = 1 << 20  # characters of one message: a prompt is not a corpus
+
+
+class DataError(ValueError):
+    """A data file, row or field that cannot be used; the message names it."""
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of one .parquet or .jsonl file as plain Python values."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such data file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow raises many types for a broken file
+            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: "
+                            f"{e})") from None
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open(encoding="utf-8", errors="strict") as f:
+            try:
+                for i, line in enumerate(f):
+                    if not line.strip():
+                        continue
+                    try:
+                        rows.append(json.loads(line))
+                    except (json.JSONDecodeError, RecursionError) as e:
+                        raise DataError(f"{path}: line {i + 1}: not JSON ({e})") from None
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        return rows
+    raise DataError(f"{path}: data files are .parquet or .jsonl")
+
+
+def _answers(value: Any, where: str) -> list[str]:
+    """reward_model.ground_truth as verl writes it (a string), as a list of accepted answers,
+    or LiteResearcher's {target: str | list}."""
+    if isinstance(value, dict):
+        if "target" not in value:
+            raise DataError(f"{where}.ground_truth: a mapping needs a 'target' key")
+        value, where = value["target"], f"{where}.ground_truth.target"
+    else:
+        where = f"{where}.ground_truth"
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        value = [str(value)]
+    if not isinstance(value, (list, tuple)) or not value or \
+            not all(isinstance(v, str) and v.strip() for v in value):
+        raise DataError(f"{where}: a non-empty string or list of strings, got {value!r:.80}")
+    return list(value)
+
+
+def _messages(value: Any, where: str) -> list[dict[str, str]]:
+    if isinstance(value, str):  # a bare question
+        value = [{"role": "user", "content": value}]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise DataError(f"{where}: a non-empty list of chat messages")
+    out = []
+    for i, m in enumerate(value):
+        w = f"{where}[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES or \
+                not isinstance(m.get("content"), str):
+            raise DataError(f"{w}: a message {{role: {'|'.join(ROLES)}, content: str}}, got "
+                            f"{m!r:.80}")
+        if len(m["content"]) > MAX_TEXT:
+            raise DataError(f"{w}.content: {len(m['content'])} characters (at most {MAX_TEXT})")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "user" and m["content"].strip() for m in out):
+        raise DataError(f"{where}: no user message with text (the question)")
+    return out
+
+
+def parse_row(row: Any, where: str, tool_names: Iterable[str] | None = None) -> Prompt:
+    """One verl row → a `Prompt` (question = the last user message)."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row is a mapping of columns, got {type(row).__name__}")
+    for column in ("prompt", "reward_model"):
+        if row.get(column) is None:
+            raise DataError(f"{where}: missing column '{column}'")
+    messages = _messages(row["prompt"], f"{where}.prompt")
+    reward = row["reward_model"]
+    if not isinstance(reward, dict) or "ground_truth" not in reward:
+        raise DataError(f"{where}.reward_model: a mapping with 'ground_truth'")
+    answers = _answers(reward["ground_truth"], f"{where}.reward_model")
+    extra = row.get("extra_info") or {}
+    if not isinstance(extra, dict):
+        raise DataError(f"{where}.extra_info: a mapping, got {type(extra).__name__}")
+    tools_kwargs = row.get("tools_kwargs") or extra.get("tools_kwargs") or {}
+    if not isinstance(tools_kwargs, dict):
+        raise DataError(f"{where}.tools_kwargs: a mapping of tool name → arguments")
+    if tool_names is not None:
+        unknown = sorted(set(tools_kwargs) - set(tool_names))
+        if unknown:
+            raise DataError(f"{where}.tools_kwargs: {unknown} are not tools of this run "
+                            f"(tools: {', '.join(sorted(tool_names))})")
+    for field in ("data_source", "ability"):
+        if row.get(field) is not None and not isinstance(row[field], str):
+            raise DataError(f"{where}.{field}: a string")
+    question = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+    answer = answers[0] if len(answers) == 1 else json.dumps(answers)
+    return Prompt(question, answer, uid="", messages=messages, metadata={
+        "data_source": row.get("data_source") or "", "ability": row.get("ability") or "",
+        "extra_info": extra, "tools_kwargs": tools_kwargs})
+
+
+def bucket_of(prompt: Prompt) -> Any:
+    extra = prompt.metadata.get("extra_info", {})
+    return extra.get("bucket", extra.get("difficulty", 0))
+
+
+def read_prompts(files: Sequence[str | Path], *, tool_names: Iterable[str] | None = None,
+                 curriculum: str = "none") -> list[Prompt]:
+    """Every row of `files`, in file and row order (`curriculum="bucket"`: stable-sorted by
+    `extra_info.bucket`, else `.difficulty`). A prompt's uid is `extra_info.index` if given,
+    else `<file stem>:<row>`; uids must be unique (they are the GRPO group ids)."""
+    names = None if tool_names is None else set(tool_names)
+    prompts: list[Prompt] = []
+    seen: dict[str, str] = {}
+    for f in files:
+        path = Path(f)
+        for i, row in enumerate(read_rows(path)):
+            where = f"{path} row {i}"
+            p = parse_row(row, where, names)
+            index = p.metadata["extra_info"].get("index")
+            p.uid = f"{path.stem}:{index if index is not None else i}"
+            if p.uid in seen:
+                raise DataError(f"{where}: uid {p.uid!r} repeats {seen[p.uid]} (extra_info.index "
+                                "must be unique per file)")
+            seen[p.uid] = where
+            prompts.append(p)
+    if not prompts:
+        raise DataError(f"no rows in {', '.join(map(str, files))}")
+    if curriculum == "bucket":
+        try:
+            prompts.sort(key=bucket_of)
+        except TypeError:
+            raise DataError("data.curriculum=bucket: extra_info.bucket values are not "
+                            "comparable (mix of numbers and strings?)") from None
+    elif curriculum != "none":
+        raise DataError(f"data.curriculum={curriculum!r}: 'none' or 'bucket'")
+    return prompts
