@@ -21,14 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
+from megatron_rl.agents.tokenizer import pad_id, run_tokenizer
 from megatron_rl.algorithms.entropy import EntropyPIController
 from megatron_rl.algorithms.reward_managers import needs
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed.spmd import RankObjects, SPMDGroup
 from megatron_rl.engines.launch import start_engines
 from megatron_rl.evaluation import evaluate_prompts
-from megatron_rl.models.registry import get_model_spec
+from megatron_rl.models.registry import model_spec
 from megatron_rl.rewards.shaping import shape_rewards
 from megatron_rl.rewards.taxonomy import taxonomy_metrics
 from megatron_rl.rollout.scheduler import RolloutScheduler
@@ -59,8 +59,8 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
     """The loop; `group.run(fn, *args)` runs `fn` on every trainer rank."""
     rl, out = cfg.rl, Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    spec = get_model_spec(cfg.model.name)
-    tokenizer = tiny_qwen3_tokenizer(vocab_size=spec.vocab_size)
+    spec = model_spec(cfg.model)
+    tokenizer = run_tokenizer(cfg.model.hf_path, cfg.model.name, spec.vocab_size)
     rows = []
     with asyncio.Runner() as loop, contextlib.ExitStack() as cleanup:  # unwinds backwards
         trainer = RankObjects(group, TrainerWorker, cfg)
@@ -98,7 +98,8 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
                           overlong_budget=rl.max_turns * rl.max_new_tokens,
                           overlong_buffer=rl.overlong_buffer)
             batch, adv_metrics = rl_batch(trajs, rl, seq_length=cfg.model.seq_length,
-                                          rows_multiple=info["dp"] * cfg.train.micro_batch_size)
+                                          rows_multiple=info["dp"] * cfg.train.micro_batch_size,
+                                          pad_id=pad_id(tokenizer))
             metrics.update(adv_metrics)
             with engines.parked(loop):
                 metrics.update(trainer.call("update", batch, coef)[0] if batch

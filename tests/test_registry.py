@@ -135,3 +135,67 @@ def test_bad_registry_entries(tmp_path):
     bad.write_text("architecture: qwen3_moe\nnum_expert: 4\n")
     with pytest.raises(ConfigError, match="did you mean 'num_experts'"):
         get_model_spec(str(bad))
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-dense", "tiny-qwen3.5"])
+def test_spec_from_an_hf_folder_matches_the_registry(name, tmp_path):
+    """`model.hf_path`: the registry entry is read off the folder's config.json, as
+    transformers saved it, and (Qwen3.5) also from the released VL layout."""
+    import dataclasses
+    import json
+
+    from megatron_rl.models.registry import spec_from_hf, spec_from_hf_config
+
+    spec = get_model_spec(name)
+    spec.hf_config().save_pretrained(tmp_path)
+    got = spec_from_hf(tmp_path)
+    skip = {"name", "source"}
+    want = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in skip}
+    assert {k: getattr(got, k) for k in want} == want
+    if name == "tiny-qwen3.5":  # Qwen3_5MoeForConditionalGeneration keeps it in text_config
+        text = json.loads((tmp_path / "config.json").read_text())
+        vl = {"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+              "model_type": "qwen3_5_moe", "text_config": text}
+        assert spec_from_hf_config(vl).linear_attention == spec.linear_attention
+
+
+def test_hf_config_errors_name_the_file(tmp_path):
+    import json
+
+    from megatron_rl.models.registry import spec_from_hf
+
+    with pytest.raises(ConfigError, match="no config.json"):
+        spec_from_hf(tmp_path)
+    cfg = tmp_path / "config.json"
+    cfg.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=f"{cfg}: not a JSON object"):
+        spec_from_hf(tmp_path)
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(ConfigError, match=f"{cfg}: no 'architectures' list"):
+        spec_from_hf(tmp_path)
+    cfg.write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ConfigError, match=r"architectures \['LlamaForCausalLM'\] are not "
+                                          r"supported; supported: Qwen3ForCausalLM"):
+        spec_from_hf(tmp_path)
+    good = get_model_spec("tiny-moe").hf_config().to_dict()
+    cfg.write_text(json.dumps({**good, "num_experts_per_tok": 9, "num_local_experts": 4}))
+    with pytest.raises(ConfigError, match="moe_router_topk=9 exceeds num_experts=4"):
+        spec_from_hf(tmp_path)
+
+
+def test_run_tokenizer_comes_from_the_hf_folder(tmp_path):
+    from megatron_rl.agents.tokenizer import pad_id, run_tokenizer, tiny_qwen3_tokenizer
+
+    tok = tiny_qwen3_tokenizer(vocab_size=512)
+    tok.save_pretrained(tmp_path)
+    got = run_tokenizer(str(tmp_path), "ignored", vocab_size=512)
+    text = "<|im_start|>user\nWho? <tool_call>x</tool_call><|im_end|>"
+    assert got.encode(text) == tok.encode(text) and got.chat_template == tok.chat_template
+    assert pad_id(got) == tok.pad_token_id
+    with pytest.raises(ValueError, match="its tokenizer has 512 tokens but the model's embedding "
+                                         "holds 256"):
+        run_tokenizer(str(tmp_path), "ignored", vocab_size=256)
+    with pytest.raises(ValueError, match="model.name='qwen3-8b': set model.hf_path"):
+        run_tokenizer(None, "qwen3-8b", vocab_size=151936)
+    with pytest.raises(ValueError, match="no usable tokenizer there"):
+        run_tokenizer(str(tmp_path / "nope"), "x", vocab_size=512)

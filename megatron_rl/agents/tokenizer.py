@@ -75,3 +75,38 @@ def tiny_qwen3_tokenizer(vocab_size: int = 512) -> Any:
                                    pad_token="<|endoftext|>")
     fast.chat_template = QWEN3_TEMPLATE
     return fast
+
+
+def run_tokenizer(hf_path: str | None, model_name: str, vocab_size: int) -> Any:
+    """The tokenizer (and chat template) of a run: the HF folder's, through transformers and
+    offline, when the policy comes from one; the built-in tiny one for the tiny registry
+    models. Its ids must fit the model's embedding."""
+    if hf_path is None:
+        if not model_name.startswith("tiny-"):
+            raise ValueError(f"model.name={model_name!r}: set model.hf_path (a checkpoint "
+                             "folder with its tokenizer); the built-in tokenizer is for the tiny "
+                             "registry models only")
+        return tiny_qwen3_tokenizer(vocab_size=vocab_size)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.hf_path={hf_path!r}: no usable tokenizer there "
+                         f"({type(e).__name__}: {str(e)[:200]})") from None
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"model.hf_path={hf_path!r}: its tokenizer has {len(tokenizer)} tokens "
+                         f"but the model's embedding holds {vocab_size} (a mismatched "
+                         "tokenizer?)")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"model.hf_path={hf_path!r}: the tokenizer has no chat template")
+    return tokenizer
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id padding rows use (never trained on): the pad token, else end of text."""
+    for attr in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if isinstance(value, int):
+            return value
+    return 0

@@ -15,6 +15,9 @@ from megatron_rl.config.fields import ConfigError, bounded, check_bounds, from_d
 @dataclass
 class ModelConfig:
     name: str = bounded("tiny-moe", help="registry entry: configs/models/<name>.yaml")
+    hf_path: str | None = bounded(None, help="a Hugging Face checkpoint folder: the policy "
+                                  "starts from its weights, tokenizer and chat template, and "
+                                  "its config.json picks the architecture (model.name unused)")
     dtype: str = bounded("fp32", choices=("fp32", "bf16", "fp16"))
     seq_length: int = bounded(128, ge=8, help="longest packed sequence the trainer sees")
     recompute_activations: bool = False

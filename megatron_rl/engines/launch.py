@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,8 @@ def start_engines(cfg: Config, spec: Any, tokenizer: Any) -> Engines:
 
     started = not ray.is_initialized() and ro.ray_address is None
     init_ray(ro)
+    if ro.model_path is None and cfg.model.hf_path:  # serve the policy's own checkpoint
+        ro = dataclasses.replace(ro, model_path=cfg.model.hf_path)
     rollout = launch_rollout(ro, model_name=None if ro.model_path else cfg.model.name)
 
     def stop() -> None:

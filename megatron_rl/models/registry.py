@@ -9,13 +9,13 @@ sides cannot drift apart.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.config.fields import bounded, check_bounds
 from megatron_rl.config.loader import CONFIG_ROOT, ConfigError, from_dict, read_yaml
-from megatron_rl.config.schema import bounded
 
 MODELS_DIR = CONFIG_ROOT / "models"
 
@@ -194,3 +194,115 @@ def get_model_spec(name: str) -> ModelSpec:
         raise ConfigError(f"{path}: {e}") from e
     spec.check(path)
     return spec
+
+
+# HF `architectures` entries → registry architecture; VL checkpoints keep the text model in
+# `text_config` (Qwen3.5, and Qwen3.6 which shares its architecture)
+HF_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3_6MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_6MoeForConditionalGeneration": "qwen3_5_moe",
+}
+
+
+def _hf_value(cfg: dict[str, Any], where: str, *keys: str, default: Any = ...) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    if default is ...:
+        raise ConfigError(f"{where}: missing {' / '.join(keys)}")
+    return default
+
+
+def spec_from_hf_config(config: dict[str, Any], where: str = "config.json") -> ModelSpec:
+    """A `ModelSpec` from an HF `config.json` mapping (the text part of a VL checkpoint)."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where}: not a JSON object")
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or not archs:
+        raise ConfigError(f"{where}: no 'architectures' list, so the model family is unknown")
+    known = [HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES]
+    if not known:
+        raise ConfigError(f"{where}: architectures {archs} are not supported; supported: "
+                          f"{', '.join(HF_ARCHITECTURES)}")
+    arch = known[0]
+    text = config.get("text_config") or config
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: text_config is not a JSON object")
+
+    def get(*keys: str, default: Any = ...) -> Any:
+        return _hf_value(text, where, *keys, default=default)
+
+    rope = get("rope_parameters", "rope_scaling", default={}) or {}
+    heads = int(get("num_attention_heads"))
+    kw: dict[str, Any] = dict(
+        name=f"hf:{Path(where).parent.name or where}", architecture=arch,
+        hidden_size=int(get("hidden_size")), num_layers=int(get("num_hidden_layers")),
+        num_attention_heads=heads, num_query_groups=int(get("num_key_value_heads")),
+        head_dim=int(get("head_dim", default=int(get("hidden_size")) // heads)),
+        ffn_hidden_size=int(get("intermediate_size", "moe_intermediate_size")),
+        vocab_size=int(get("vocab_size")),
+        max_position_embeddings=int(get("max_position_embeddings")),
+        rope_theta=float(rope.get("rope_theta", get("rope_theta", default=1e6))),
+        rotary_percent=float(rope.get("partial_rotary_factor",
+                                      get("partial_rotary_factor", default=1.0))),
+        norm_epsilon=float(get("rms_norm_eps")), qk_layernorm=True,
+        tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+        source=f"{where} ({', '.join(archs)})")
+    if arch != "qwen3":
+        kw.update(num_experts=int(get("num_experts", "num_local_experts")),
+                  moe_router_topk=int(get("num_experts_per_tok")),
+                  moe_ffn_hidden_size=int(get("moe_intermediate_size")),
+                  norm_topk_prob=bool(get("norm_topk_prob", default=True)),
+                  router_aux_loss_coef=float(get("router_aux_loss_coef", default=0.001)))
+    if arch == "qwen3_5_moe":
+        types = get("layer_types")
+        interval = types.index("full_attention") + 1 if "full_attention" in types else 0
+        expected = ["full_attention" if (i + 1) % max(interval, 1) == 0 else "linear_attention"
+                    for i in range(len(types))]
+        if not interval or types != expected:
+            raise ConfigError(f"{where}: layer_types is not a repeating pattern of linear "
+                              "layers ending in one full-attention layer")
+        kw.update(shared_expert_ffn_hidden_size=int(get("shared_expert_intermediate_size")),
+                  shared_expert_gate=True, attention_output_gate=True,
+                  zero_centered_norm=True, mtp_num_layers=int(get("mtp_num_hidden_layers",
+                                                                  default=0)),
+                  linear_attention=LinearAttentionSpec(
+                      full_attention_interval=interval,
+                      num_key_heads=int(get("linear_num_key_heads")),
+                      num_value_heads=int(get("linear_num_value_heads")),
+                      key_head_dim=int(get("linear_key_head_dim")),
+                      value_head_dim=int(get("linear_value_head_dim")),
+                      conv_kernel=int(get("linear_conv_kernel_dim"))))
+    try:
+        spec = ModelSpec(**kw)
+        for f in fields(ModelSpec):
+            check_bounds(f"{where}: {f.name}", getattr(spec, f.name), f.metadata)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    spec.check(where)
+    return spec
+
+
+def spec_from_hf(folder: str | Path) -> ModelSpec:
+    """The registry entry of the HF checkpoint folder `folder`, from its config.json."""
+    import json
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model.hf_path={str(folder)!r}: no config.json there")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ConfigError(f"{path}: not a JSON file ({type(e).__name__})") from None
+    return spec_from_hf_config(config, str(path))
+
+
+def model_spec(model: Any) -> ModelSpec:
+    """The spec a run's `model` section names: `model.hf_path`'s config.json, else the
+    registry entry `model.name`."""
+    hf_path = getattr(model, "hf_path", None)
+    return spec_from_hf(hf_path) if hf_path else get_model_spec(model.name)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed.process_groups import Layout, init_model_parallel
 from megatron_rl.models.builder import DTYPES, build_gpt_model, logprob_output_processor
-from megatron_rl.models.registry import ModelSpec, get_model_spec
+from megatron_rl.models.registry import ModelSpec, model_spec
 from megatron_rl.models.routing_replay import RoutingReplay
 from megatron_rl.records.batch import ROUTED_EXPERTS, LossFn, TokenBatch
 from megatron_rl.trainer.microbatching import (
@@ -44,7 +44,7 @@ class MegatronActor:
         )
 
         self.cfg = cfg
-        self.spec = spec or get_model_spec(cfg.model.name)
+        self.spec = spec or model_spec(cfg.model)
         self.layout: Layout = init_model_parallel(cfg.parallel, cfg.train.seed)
         if self.spec.is_moe and self.spec.num_experts % cfg.parallel.ep:
             raise ValueError(f"parallel.ep={cfg.parallel.ep} does not divide the "

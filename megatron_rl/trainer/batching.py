@@ -74,7 +74,7 @@ def routed_experts(sequences: Sequence[TrainingSequence], rows: int, width: int)
 
 
 def rl_batch(trajectories: Sequence[Trajectory], rl: RLConfig, *, seq_length: int,
-             rows_multiple: int) -> tuple[TokenBatch | None, dict[str, float]]:
+             rows_multiple: int, pad_id: int = 0) -> tuple[TokenBatch | None, dict[str, float]]:
     """A step's judged (and shaped, `rewards.shaping`) trajectories → per-turn advantages
     (`rl.reward_manager`) → the trainer's batch; None when no sequence was generated (e.g.
     every prompt overflowed the context)."""
@@ -93,5 +93,5 @@ def rl_batch(trajectories: Sequence[Trajectory], rl: RLConfig, *, seq_length: in
         metrics["rollout/stale_token_fraction"] = sum(v < newest for v in stale) / len(stale)
     if not seqs:
         return None, metrics
-    return build_batch(seqs, per_token, seq_length=seq_length, pad_id=0,
+    return build_batch(seqs, per_token, seq_length=seq_length, pad_id=pad_id,
                        rows_multiple=rows_multiple), metrics
