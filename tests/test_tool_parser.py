@@ -1,17 +1,29 @@
-"""Tool-call / answer parsing: exact cases, then 10 000 hypothesis cases that must never raise."""
+"""Tool-call / answer parsing: exact cases, then 10 000 hypothesis cases that must never raise,
+and arbitrary (also non-finite, non-Unicode, deep) argument values that must come out as a
+bounded call or a labelled failure, strict-JSON writable either way."""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import time
 from collections import Counter
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.agents.tool_parser import load_json, parse_action, visible_text
+from megatron_rl.agents.tool_parser import (
+    MAX_ARGUMENT_CHARS,
+    MAX_ARGUMENT_DEPTH,
+    argument_problem,
+    load_json,
+    parse_action,
+    visible_text,
+)
+from megatron_rl.env.base import validate_arguments
 from tests.fakes import DictSearch, DictVisit
 
 SCHEMAS = {t.name: t.parameters for t in (DictSearch({}), DictVisit({}))}
@@ -113,12 +125,13 @@ FRAGMENTS = [
     "{", "}", "[", "]", '"', "'", ":", ",", "\\", "\\u12", '"name"', '"arguments"',
     '"parameters"', '"function"', '"search"', '"visit"', '"lookup"', '"query"', '"url"', '"k"',
     "null", "true", "NaN", "-Infinity", "1e999", "-0", "9" * 4400, "3.5", "\n", " ", "\x00",
-    "\ud7ff", "🙂",
+    "\ud7ff", "🙂", "Infinity", '"\\ud800"', "\\udfff", "[" * 20, '{"a": ' * 20,
 ]
 GOOD_ARGS = [("search", {"query": "eiffel tower"}), ("visit", {"url": "https://x.org"}),
              ("lookup", {"k": 3, "mode": "a", "tags": ["t"]})]
 ODD_VALUES = [None, True, 0, -1, 2**70, 1.5, float("nan"), "", "3", "<|im_end|>", [], {},
-              ["a", 2], {"k": 1}, "x" * 300]
+              ["a", 2], {"k": 1}, "x" * 300, float("inf"), [float("-inf")], "a\ud800",
+              {"\udc00": 1}, json.loads("[" * 20 + "1" + "]" * 20), "y" * 9000]
 
 
 def mutated_calls(seed: bytes) -> str:
@@ -168,8 +181,12 @@ def check_action(text: str) -> str:
         assert any(c.error is None for c in act.calls) == (act.kind == "tool_calls")
     for c in act.calls:
         assert isinstance(c.arguments, dict) and isinstance(c.name, str)
+        # whatever a call keeps is bounded, plain JSON: dumps and forest commits cannot fail
+        assert argument_problem(c.arguments) is None, c.arguments
+        json.dumps(c.to_dict(), allow_nan=False)
+        json.dumps(c.arguments, ensure_ascii=False).encode("utf-8")
         if c.error is None:
-            assert c.name in SCHEMAS and json.dumps(c.arguments) is not None
+            assert c.name in SCHEMAS and validate_arguments(SCHEMAS[c.name], c.arguments) is None
         else:
             assert c.error == "tool_parse_error" and c.observation.startswith("Error: ")
     return act.kind
@@ -193,3 +210,88 @@ def test_fuzz_10k_outputs_never_raise_and_always_classify() -> None:
           f"{time.perf_counter() - t0:.1f} s: {dict(seen)}")
     assert total >= 10_000
     assert set(seen) == {"answer", "tool_calls", "parse_error", "none"}
+
+
+# -- arbitrary argument values ------------------------------------------------------------------
+
+def _depth(x: Any) -> int:
+    """Container levels (the arguments object is level 1)."""
+    if isinstance(x, dict | list):
+        return 1 + max((_depth(v) for v in (x.values() if isinstance(x, dict) else x)),
+                       default=0)
+    return 0
+
+
+def _unsafe(x: Any) -> bool:
+    """A value no strict, UTF-8 JSON writer takes: NaN/±Infinity, lone surrogates."""
+    if isinstance(x, float):
+        return not math.isfinite(x)
+    if isinstance(x, str):
+        return any(0xD800 <= ord(ch) <= 0xDFFF for ch in x)
+    if isinstance(x, dict):
+        return any(_unsafe(k) or _unsafe(v) for k, v in x.items())
+    return isinstance(x, list) and any(_unsafe(v) for v in x)
+
+
+def _wrap(value: Any, levels: int, as_list: bool) -> Any:
+    for i in range(levels):
+        value = [value] if as_list else {f"l{i}": value}
+    return value
+
+
+_ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=6)  # surrogates included
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | _ANY_TEXT
+    | st.sampled_from([math.nan, math.inf, -math.inf, "a\udc00"]),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(_ANY_TEXT, kids, max_size=3),
+    max_leaves=12)
+argument_sets = st.tuples(
+    st.sampled_from([*sorted(SCHEMAS), "browse"]),
+    st.dictionaries(st.sampled_from(["query", "url", "k", "mode", "tags", "q"]) | _ANY_TEXT,
+                    st.tuples(json_values, st.integers(0, 24).map(  # mostly shallow
+                        lambda n: n if n >= 20 else n // 5), st.booleans()).map(
+                        lambda t: _wrap(*t)), max_size=3),
+    st.integers(0, 9).map(lambda n: "z" * (max(n - 6, 0) * MAX_ARGUMENT_CHARS // 2)),
+    st.integers(0, 9))  # < 3: a good call of GOOD_ARGS instead (the valid case)
+
+
+def check_arguments(name: str, args: dict[str, Any]) -> str:
+    """Parse one call with these arguments; returns which case it was."""
+    text = f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
+    if len(text) > 16_384:  # past the block limit: rejected whole, tested above
+        return "too long a block"
+    (c,) = parse_action(text, SCHEMAS).calls
+    json.dumps(c.to_dict(), allow_nan=False)
+    assert c.error in (None, "tool_parse_error")
+    reasons = {"non-finite or non-Unicode": _unsafe(args),
+               "too deep": _depth(args) > MAX_ARGUMENT_DEPTH,
+               "too long": len(json.dumps(args, ensure_ascii=False)) > MAX_ARGUMENT_CHARS}
+    if any(reasons.values()):  # refused before any schema check; nothing of it is kept
+        assert c.error == "tool_parse_error" and c.arguments == {}, (args, c)
+        assert any(w in c.observation for w in (
+            "must be finite", "not valid Unicode", "not valid text", "nests deeper than",
+            "characters as JSON")), c.observation
+        return next(k for k, v in reasons.items() if v)
+    # plain JSON: kept as written, valid or not for the tool
+    assert c.arguments == args
+    valid = name in SCHEMAS and validate_arguments(SCHEMAS[name], args) is None
+    assert (c.error is None) == valid
+    return "valid" if valid else "schema error"
+
+
+def test_any_argument_values_give_a_bounded_call_or_a_labelled_failure() -> None:
+    seen: Counter[str] = Counter()
+
+    @settings(max_examples=1_500, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(argument_sets)
+    def fuzz(case: tuple[str, dict[str, Any], str, int]) -> None:
+        name, args, padding, good = case
+        if good < 3:
+            name, args = GOOD_ARGS[good]
+        seen[check_arguments(name, {**args, "query": padding} if padding else args)] += 1
+
+    fuzz()
+    print(f"\nargument cases: {dict(seen)}")
+    assert {"non-finite or non-Unicode", "too deep", "too long", "valid",
+            "schema error"} <= set(seen)

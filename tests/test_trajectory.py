@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_rl.records.trajectory import ToolCall, Trajectory, Turn
@@ -66,3 +68,46 @@ def test_a_masked_turn_keeps_its_tokens_but_trains_none():
     assert seq.tokens == [1, 2, 3, 9, 4] and seq.loss_mask == [0, 0, 0, 0, 1]
     with pytest.raises(ValueError, match="a loss mask of 1"):
         Turn("agent", [1], [2, 3], [0.0, 0.0], [0, 0], loss_mask=[1])
+
+
+def _deep(levels: int) -> dict:
+    value: object = [1.0]
+    for i in range(levels):
+        value = {f"k{i}": value}
+    return value  # type: ignore[return-value]
+
+
+def test_to_dict_is_strict_json_for_any_tool_call_arguments():
+    """The parser bounds model-written arguments; to_dict is the backstop for a ToolCall built
+    anywhere else: 500 levels, NaN/Infinity, lone surrogates, non-JSON types all write."""
+    from megatron_rl.records.trajectory import MAX_JSON_DEPTH, json_safe
+    from megatron_rl.rollout.forest import RolloutForest
+
+    turn = _turn("agent", [1], [2])
+    turn.tool_calls = [
+        ToolCall("search", _deep(500), error="tool_parse_error"),
+        ToolCall("search", {"q": float("nan"), "r": [float("inf"), -float("inf")],
+                            "s": "a\ud800", "\udc00": {1, 2}}),
+        ToolCall("visit", {"url": "https://x.org", "n": [1, 2.5, None, True]}),
+    ]
+    traj = Trajectory("u", "g", "q", turns=[turn])
+    row = json.loads(json.dumps(traj.to_dict(), allow_nan=False))
+    deep, odd, plain = row["turns"][0]["tool_calls"]
+    for _ in range(MAX_JSON_DEPTH):  # MAX_JSON_DEPTH levels kept, then a marker
+        (deep_key,) = deep["arguments"]
+        deep["arguments"] = deep["arguments"][deep_key]
+    assert deep["arguments"] == f"<dict nested deeper than {MAX_JSON_DEPTH} levels>"
+    assert odd["arguments"] == {"q": "nan", "r": ["inf", "-inf"], "s": "a\\ud800",
+                                "\\udc00": "<set>"}
+    assert plain == {"name": "visit", "arguments": {"url": "https://x.org",
+                                                    "n": [1, 2.5, None, True]},
+                     "error": None, "observation": ""}
+    # the forest stores the same plain form, so a checkpoint writes too
+    forest = RolloutForest()
+    node = forest.commit(forest.root("g"), traj, {"step": 1})
+    json.dumps(forest.state_dict(), allow_nan=False)
+    assert forest.resume(node)[0].turns[0].tool_calls[2] == turn.tool_calls[2]
+    # plain data comes back equal, tuples as lists
+    data = {"a": [1, {"b": (2, "c")}], "d": -0.0, "e": 10**30}
+    assert json_safe(data) == {"a": [1, {"b": [2, "c"]}], "d": -0.0, "e": 10**30}
+    assert json_safe([10**5000]) == ["<int of 16610 bits>"]  # past the int/str digit limit

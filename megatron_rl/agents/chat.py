@@ -10,11 +10,15 @@ very tokens that were sampled.
 Text that does not come from us (questions, pages, search results, summaries) is escaped so it
 can never contain a special or added token of the tokenizer (`<|im_end|>`, `<tool_call>`,
 `</tool_response>`, …): a page cannot close the tool-response turn and speak as the assistant.
-Every tokenized piece of untrusted text is checked for such ids (`UnsafeTextError`).
+Every tokenized piece of untrusted text is checked for such ids (`UnsafeTextError`). Clipping
+comes after escaping and counts the escaped text's tokens: escaping lengthens text (one
+`<|im_end|>` id becomes a dozen), so a limit counted before it would not bound what the model
+is fed.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +26,7 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 GENERATION_PROMPT = f"{IM_START}assistant\n"
 TRUNCATED = " …[truncated]"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class UnsafeTextError(AssertionError):
@@ -47,6 +52,10 @@ class ChatFormat:
         self.protected_ids: frozenset[int] = frozenset(added)
         self._protected = sorted({s for s in added.values() if s}, key=len, reverse=True)
         self.generation_prompt = self._generation_prompt()
+        self.truncated_ids = self.encode(TRUNCATED)
+        # no vocabulary token spans more characters: text longer than max_tokens * this always
+        # has more than max_tokens tokens, so clip() may drop the rest before tokenizing
+        self._max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
 
     def _generation_prompt(self) -> str:
         """What the template appends for the assistant to speak (`<|im_start|>assistant\n`, plus
@@ -73,7 +82,12 @@ class ChatFormat:
         `<|im_end|>` becomes `&lt;|im_end|>` (readable, and no token matches it any more);
         tokens that do not start with `<` get a zero-width space after their first character.
         Repeated until stable, since a replacement could in principle form another token.
+        Lone surrogates (not Unicode: tokenizers refuse them) become U+FFFD.
         """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = _SURROGATE.sub("\ufffd", text)
         for _ in range(8):
             found = [s for s in self._protected if s in text]
             if not found:
@@ -83,14 +97,19 @@ class ChatFormat:
         return text
 
     def safe_ids(self, text: str, max_tokens: int | None = None) -> list[int]:
-        """Escaped, tokenized, optionally clipped untrusted text; checked free of special ids."""
-        return self._checked(self.escape(self.clip(text, max_tokens)))
+        """Escaped, tokenized untrusted text, then clipped to at most `max_tokens` ids (marker
+        included); checked free of special ids."""
+        return self.clip_ids(self._escaped(text, max_tokens)[1], max_tokens)
 
     def safe_text(self, text: str, max_tokens: int | None = None) -> str:
-        """The same, as text, for untrusted pieces of a prompt rendered by the template."""
-        escaped = self.escape(self.clip(text, max_tokens))
-        self._checked(escaped)
-        return escaped
+        """The same, as text, for untrusted pieces of a prompt rendered by the template (it
+        tokenizes on its own to at most `max_tokens` ids)."""
+        escaped, ids = self._escaped(text, max_tokens)
+        if max_tokens is None or len(ids) <= max_tokens:
+            return escaped
+        clipped = self._clip_text(escaped, ids, max_tokens)
+        self._checked(clipped)
+        return clipped
 
     def _checked(self, escaped: str) -> list[int]:
         ids = self.encode(escaped)
@@ -100,14 +119,51 @@ class ChatFormat:
                                   f"({self.tokenizer.convert_ids_to_tokens(bad)})")
         return ids
 
+    def _escaped(self, text: str, max_tokens: int | None) -> tuple[str, list[int]]:
+        """Escaped text and its checked ids. With a limit, text past what can survive clipping
+        is dropped first, so a huge page is not tokenized whole."""
+        if max_tokens is not None and len(text) > (max_tokens + 1) * self._max_token_chars:
+            cut = self.escape(text[:(max_tokens + 1) * self._max_token_chars])
+            ids = self._checked(cut)
+            if len(ids) > max_tokens:
+                return cut, ids
+            # fewer tokens than characters allow: a tokenizer that drops text; no shortcut
+        escaped = self.escape(text)
+        return escaped, self._checked(escaped)
+
+    def _whole_chars(self, ids: list[int], n: int) -> int:
+        """The largest k <= n such that ids[:k] does not end inside a UTF-8 character (byte-level
+        tokens can split one); n if backing off 3 ids does not get there."""
+        for k in range(n, max(n - 4, 0), -1):
+            if not self.decode(ids[max(k - 8, 0):k]).endswith("\ufffd"):
+                return k
+        return n
+
+    def clip_ids(self, ids: list[int], max_tokens: int | None) -> list[int]:
+        """At most `max_tokens` ids: a prefix of `ids`, then the ` …[truncated]` marker."""
+        if max_tokens is None or len(ids) <= max_tokens:
+            return ids
+        keep = self._whole_chars(ids, max(max_tokens - len(self.truncated_ids), 0))
+        return (ids[:keep] + self.truncated_ids)[:max_tokens]
+
     def clip(self, text: str, max_tokens: int | None) -> str:
-        """Cut text to about `max_tokens` tokens (marked), so one page cannot fill the context."""
+        """Cut text so that it tokenizes to at most `max_tokens` ids (marker included), so one
+        page cannot fill the context."""
         if max_tokens is None:
             return text
         ids = self.encode(text)
-        if len(ids) <= max_tokens:
-            return text
-        return self.decode(ids[:max_tokens]) + TRUNCATED
+        return text if len(ids) <= max_tokens else self._clip_text(text, ids, max_tokens)
+
+    def _clip_text(self, text: str, ids: list[int], max_tokens: int) -> str:
+        keep = max(max_tokens - len(self.truncated_ids), 0)
+        while keep > 0:  # a re-tokenized prefix may merge differently at the cut: shrink to fit
+            keep = self._whole_chars(ids, keep)
+            clipped = self.decode(ids[:keep]) + TRUNCATED
+            over = len(self.encode(clipped)) - max_tokens
+            if over <= 0:
+                return clipped
+            keep -= over
+        return TRUNCATED if len(self.truncated_ids) <= max_tokens else ""
 
     # -- prompts ---------------------------------------------------------------------------------
 

@@ -9,11 +9,20 @@ Broken JSON goes through `json_repair`; unknown tools and arguments that do not 
 tool's JSON schema become a `ToolCall` with `error="tool_parse_error"` and an observation that
 tells the model what was wrong. Only text after the last `</think>` counts (an unclosed
 `<think>` means the model never got to act).
+
+Arguments are model-written data that ends up in trajectories, checkpoints and prompts, so
+before any schema check they must be plain, bounded JSON: at most `MAX_ARGUMENT_DEPTH` levels
+deep, at most `MAX_ARGUMENT_CHARS` characters as JSON, finite numbers only (no NaN/Infinity,
+whether strict JSON or json_repair produced them) and text that is valid Unicode (no lone
+surrogates, which tokenizers refuse). Anything else is a `tool_parse_error` whose `ToolCall`
+keeps no arguments, so every `ToolCall` the parser returns can be written with
+`json.dumps(..., allow_nan=False)`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -30,6 +39,8 @@ PARSE_ERROR = "tool_parse_error"
 MAX_BLOCK_CHARS = 16_384     # a longer call is garbage; repairing it could be slow
 MAX_CALLS_PER_BLOCK = 32     # a JSON list inside one block; the agent's own limits apply after
 MAX_INT_DIGITS = 4300        # CPython's default int/str limit (sys.set_int_max_str_digits)
+MAX_ARGUMENT_DEPTH = 16      # the arguments object is level 1; tools take flat values or lists
+MAX_ARGUMENT_CHARS = 8_192   # the arguments as JSON; far above any real query or URL list
 
 _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|\Z)", re.S)
@@ -85,8 +96,65 @@ def _short(value: Any, limit: int = 80) -> str:
     return s if len(s) <= limit else s[:limit] + "…"
 
 
+def _is_text(s: str) -> bool:
+    """Valid Unicode: a JSON `\\ud800` escape decodes to a lone surrogate, which cannot be
+    encoded as UTF-8 (tokenizers raise on it, UTF-8 files refuse it)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(parent: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}[{json.dumps(key)}]" if parent else key
+
+
+def _number(x: float) -> str:
+    return "NaN" if math.isnan(x) else "Infinity" if x > 0 else "-Infinity"
+
+
+def argument_problem(arguments: dict[str, Any]) -> str | None:
+    """Why `arguments` is not plain, bounded JSON (see the module docstring), naming the
+    offending argument; None when it is. Walks at most `MAX_ARGUMENT_DEPTH` levels, without
+    recursion, so any parsed structure is safe to check."""
+    # (value, its path, the top-level argument it is in, its level)
+    stack: list[tuple[Any, str, str, int]] = [(arguments, "", "", 1)]
+    while stack:
+        value, path, top, depth = stack.pop()
+        where = f"argument {_short(path)}" if path else "arguments"
+        if isinstance(value, dict | list):
+            if depth > MAX_ARGUMENT_DEPTH:
+                return f"argument {_short(top)} nests deeper than {MAX_ARGUMENT_DEPTH} levels"
+            if isinstance(value, list):
+                stack.extend((v, _path(path, i), top, depth + 1) for i, v in enumerate(value))
+                continue
+            for key, item in value.items():
+                if not isinstance(key, str) or not _is_text(key):
+                    return f"{where} has a key that is not valid text: {_short(key)}"
+                stack.append((item, _path(path, key), top or key, depth + 1))
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                return f"{where} is {_number(value)}: JSON numbers must be finite"
+        elif isinstance(value, str):
+            if not _is_text(value):
+                return f"{where} is not valid Unicode text (a lone surrogate escape)"
+        elif value is not None and not isinstance(value, int):  # bool is an int
+            return f"{where} is a {type(value).__name__}, not a JSON value"
+    try:
+        size = len(json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+    except (ValueError, TypeError):  # e.g. an int past a lowered digit limit
+        return "arguments cannot be written as JSON"
+    if size > MAX_ARGUMENT_CHARS:
+        return f"arguments are {size} characters as JSON; at most {MAX_ARGUMENT_CHARS}"
+    return None
+
+
 def _error(message: str, name: Any = "", arguments: Any = None) -> ToolCall:
-    return ToolCall(name=name if isinstance(name, str) else "",
+    # only checked arguments reach here; a name is kept only if it is valid text
+    return ToolCall(name=name if isinstance(name, str) and _is_text(name) else "",
                     arguments=arguments if isinstance(arguments, dict) else {},
                     error=PARSE_ERROR, observation=f"Error: {message}")
 
@@ -103,6 +171,10 @@ def _call(item: Any, schemas: Mapping[str, dict[str, Any]]) -> ToolCall:
         args = {} if not args.strip() else load_json(args)
     if args is None:
         args = {}
+    if isinstance(args, dict) and (problem := argument_problem(args)) is not None:
+        # checked before anything keeps the arguments: the call keeps none
+        label = name if isinstance(name, str) and name in schemas else "tool call"
+        return _error(f"{label}: {problem}", name)
     if not isinstance(name, str) or not name:
         return _error(f"missing tool name; {expected}", arguments=args)
     if name not in schemas:

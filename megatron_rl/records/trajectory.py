@@ -16,10 +16,17 @@ Labels classify what went wrong (the abnormal-trajectory taxonomy): environment 
 environment's fault (the RL loss leaves them out), model failures are the policy's (they keep
 their reward). A context that overflows (`overlong`: mostly long observations) is charged to the
 environment; a single response longer than any may be (`response_too_long`) to the policy.
+
+`to_dict()` is plain JSON that `json.dumps(..., allow_nan=False)` always writes: the agents'
+parser already bounds and checks model-written tool arguments (`agents.tool_parser`), and
+`to_dict` passes them through `json_safe` again, so a `ToolCall` built anywhere else cannot
+end a run in a dump or a forest commit either.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,6 +36,44 @@ ENV_FAILURES = ("search_error", "visit_error", "summarizer_error", "judge_error"
 MODEL_FAILURES = ("degenerate", "tool_parse_error", "max_turns", "excess_tool_calls",
                   "response_too_long")
 LABELS = ENV_FAILURES + MODEL_FAILURES
+MAX_JSON_DEPTH = 32  # json_safe: deeper data is cut (the parser already allows only 16 levels)
+
+
+def _text(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: no UTF-8 file or tokenizer takes them
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+    return s
+
+
+def json_safe(value: Any, depth: int = MAX_JSON_DEPTH) -> Any:
+    """A copy of plain data that `json.dumps(..., allow_nan=False)` always writes, in at most
+    `depth` levels of recursion: containers deeper than that become a marker string,
+    NaN/±Infinity their repr, ints past the digit limit and values of other types a marker,
+    lone surrogates backslash escapes.
+    JSON-safe input comes back equal (tuples as lists)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value.bit_length() > 2_000:  # near sys.get_int_max_str_digits' 640-digit minimum
+            try:
+                str(value)
+            except ValueError:  # json.dumps could not write it either
+                return f"<int of {value.bit_length()} bits>"
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, str):
+        return _text(value)
+    if isinstance(value, dict | list | tuple):
+        if depth <= 0:
+            return f"<{type(value).__name__} nested deeper than {MAX_JSON_DEPTH} levels>"
+        if isinstance(value, dict):
+            return {_text(k) if isinstance(k, str) else _text(repr(k)): json_safe(v, depth - 1)
+                    for k, v in value.items()}
+        return [json_safe(v, depth - 1) for v in value]
+    return f"<{type(value).__name__}>"
 
 
 @dataclass
@@ -37,6 +82,10 @@ class ToolCall:
     arguments: dict[str, Any]
     error: str | None = None     # a label when the call could not be parsed or failed
     observation: str = ""        # what the agent was shown
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": _text(self.name), "arguments": json_safe(self.arguments),
+                "error": self.error, "observation": _text(self.observation)}
 
 
 @dataclass
@@ -72,6 +121,13 @@ class Turn:
             if len(self.routed_experts) not in (0, fed):
                 raise ValueError(f"turn ({self.role}): routed experts for "
                                  f"{len(self.routed_experts)} tokens; it fed {fed}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (what the forest and trajectory dumps hold); tool calls via
+        `ToolCall.to_dict`."""
+        shallow = copy.copy(self)
+        shallow.tool_calls = []
+        return {**asdict(shallow), "tool_calls": [c.to_dict() for c in self.tool_calls]}
 
 
 @dataclass
@@ -152,7 +208,9 @@ class Trajectory:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        shallow = copy.copy(self)
+        shallow.turns = []
+        return {**asdict(shallow), "turns": [t.to_dict() for t in self.turns]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:

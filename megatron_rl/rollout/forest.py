@@ -57,7 +57,7 @@ class RolloutForest:
         if len(traj.turns) < up.depth:
             raise ValueError(f"trajectory {traj.uid} has {len(traj.turns)} turns, fewer than "
                              f"the {up.depth} already committed at node {parent}")
-        added = [asdict(t) for t in traj.turns[up.depth:]]
+        added = [t.to_dict() for t in traj.turns[up.depth:]]  # JSON-safe tool calls
         fields = {k: _copy(getattr(traj, k)) for k in _TRAJECTORY_FIELDS}
         return self._add(Node(self._next_id, parent, up.tree, added, fields, _copy(state),
                               len(traj.turns)))
