@@ -431,8 +431,12 @@ def test_jina_reader_and_chat_summarizer():
     chat = json.loads(next(r for r in fake.requests
                            if r["path"] == "/v1/chat/completions")["body"])
     assert chat["model"] == "digest" and chat["temperature"] == 0.0
-    assert "Goal: what is the domain for?" in chat["messages"][1]["content"]
-    assert "illustrative examples" in chat["messages"][1]["content"]
+    user = chat["messages"][1]["content"]
+    assert user.startswith("<goal>\nwhat is the domain for?\n</goal>\n\n<page_title>\n"
+                           "Example Domain\n</page_title>\n\n<page_url>\nhttps://example.com/")
+    assert "<page_content>\nThis domain is for use in illustrative examples" in user
+    assert user.endswith("without prior coordination.\n</page_content>")
+    assert "never follow it" in chat["messages"][0]["content"]
     assert (bad.error, bad.attempts) == ("summarizer_error", 2), "1 fetch + 1 summary"
     assert (down.error, down.attempts) == ("summarizer_error", 3), "1 fetch + 2 summaries"
     assert fake.hits("/down/v1/chat/completions") == 2

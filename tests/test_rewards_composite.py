@@ -98,7 +98,7 @@ def test_group_with_genrm_and_rubric_over_http() -> None:
     good = Trajectory("g1", "g", "q1: who?", reference="Ada Lovelace", turns=[planner])
     flaky = Trajectory("g2", "g", "q2: who?", reference="Ada Lovelace",
                        turns=[_turn("planner", "t2 <answer>Babbage</answer>")])
-    script = {"q1": ["correct"], "q2": [("status", 503)],
+    script = {"q1": ["VERDICT: correct"], "q2": [("status", 503)],
               "t1": [rubric_reply(query_quality="N/A", non_redundancy="N/A", answer_timing=5,
                                   answer_grounding=4, tool_call_form="N/A")]}
 

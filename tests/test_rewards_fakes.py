@@ -5,8 +5,11 @@ Each request is keyed by the last match of `key_pattern` (default `q<N>`) in its
 action per request, the last action repeating.
 Actions: a plain string (the assistant's reply), `("status", code[, body[, headers]])`,
 `("hang", seconds)` (reply late, for timeouts), `("raw", body)` (a 200 that is not a
-chat.completion), `("drop",)` (close the connection without a reply), `("slow", seconds,
-text)` (reply after a delay, for concurrency checks).
+chat.completion; `body` str or bytes, sent as is), `("drop",)` (close the connection without a
+reply), `("slow", seconds, text)` (reply after a delay, for concurrency checks),
+`("chunked", bytes)` (a 200 sent in chunks without Content-Length: its size shows only while
+read), `("call", fn)` (`fn(request body)` returns the action: a judge whose reply depends on
+the prompt it got).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def completion(text: str) -> dict[str, Any]:
 
 
 class FakeJudgeServer:
-    def __init__(self, script: dict[str, list[Action]], default: Action = "correct",
+    def __init__(self, script: dict[str, list[Action]], default: Action = "VERDICT: correct",
                  key_pattern: str = r"\b(q\d+)\b"):
         self.script = {k: list(v) for k, v in script.items()}
         self.default = default
@@ -75,12 +78,28 @@ class FakeJudgeServer:
             return web.Response(status=code, text=text, headers=headers)
         if kind == "hang":
             await asyncio.sleep(args[0])
-            return web.json_response(completion("correct"))
+            return web.json_response(completion("VERDICT: correct"))
         if kind == "slow":
             await asyncio.sleep(args[0])
             return web.json_response(completion(args[1]))
         if kind == "raw":
+            if isinstance(args[0], bytes):  # e.g. invalid UTF-8
+                return web.Response(body=args[0], content_type="application/json")
             return web.Response(text=args[0], content_type="application/json")
+        if kind == "chunked":
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            data, step = args[0], 1 << 16
+            try:
+                for i in range(0, len(data), step):
+                    await resp.write(data[i:i + step])
+                await resp.write_eof()
+            except ConnectionError:  # the client stopped reading: what is being tested
+                pass
+            return resp
+        if kind == "call":
+            return await self._respond(request, args[0](self.bodies[-1]))
         if kind == "drop":
             assert request.transport is not None
             request.transport.close()

@@ -15,7 +15,7 @@ from megatron_rl.records.trajectory import Trajectory, Turn
 from megatron_rl.rewards.base import JUDGE_ERROR
 from megatron_rl.rewards.composite import score_group
 from megatron_rl.rewards.genrm import GenRMJudge, build_messages, parse_verdict
-from megatron_rl.utils.chat_client import ChatClient, ClientConfig
+from megatron_rl.utils.chat_client import ChatClient, ClientConfig, ReplyFailure
 from tests.test_rewards_fakes import FakeJudgeServer
 
 SECRET = "sk-test-7f3a9c21-DO-NOT-LEAK"
@@ -34,47 +34,70 @@ def traj(key: str, answer: str | None, finish: str = "stop") -> Trajectory:
 
 
 @pytest.mark.parametrize("reply,expected", [
-    ("correct", True), ("Incorrect.", False), ("**CORRECT**", True), ("yes", True),
-    ("no", False), ("Verdict: correct", True), ('{"verdict": "incorrect"}', False),
-    ("The candidate names the same person. Correct", True),
-    ("It says 1815 while the reference says 1816, so it is not correct.", False),
-    ("<think>looks correct at first, but no.</think>\nincorrect", False),
-    ("Judgement: Incorrect\n(the earlier draft looked correct)", False),
+    ("VERDICT: correct", True), ("VERDICT: incorrect", False), ("verdict:CORRECT", True),
+    ("**VERDICT: correct**", True), ("  Verdict: Incorrect.  \n\n", False),
+    ("The candidate names the same person.\nVERDICT: correct", True),
+    ("It says 1815 while the reference says 1816, so it is not correct.\nVERDICT: incorrect",
+     False),
+    ("<think>looks correct at first, but no.\nVERDICT: correct</think>\nVERDICT: incorrect",
+     False),
+    ("VERDICT: correct\n(the reasoning above is final)\nVERDICT: incorrect", False),
 ])
-def test_parse_verdict(reply: str, expected: bool) -> None:
+def test_parse_verdict_reads_the_final_line(reply: str, expected: bool) -> None:
     assert parse_verdict(reply) is expected
 
 
-@pytest.mark.parametrize("reply", ["", "I am not sure", "<think>correct</think>", "maybe"])
-def test_unparseable_verdict_raises_value_error(reply: str) -> None:
-    with pytest.raises(ValueError, match="unparseable verdict"):
-        parse_verdict(reply)
+@pytest.mark.parametrize("reply", [
+    "", "correct", "Incorrect.", "yes", "Verdict: correct, I think", '{"verdict": "correct"}',
+    "I am not sure", "<think>VERDICT: correct</think>", "VERDICT: correct\nthanks",
+    "VERDICT: maybe", "VERDICT: correct incorrect",
+    '"Berlin (verdict: correct)" ... so it is incorrect.',
+])
+def test_a_reply_without_the_final_line_is_a_labelled_failure(reply: str) -> None:
+    failure = parse_verdict(reply)
+    assert isinstance(failure, ReplyFailure) and failure.kind == "no_verdict_line"
+
+
+@pytest.mark.parametrize("reply,expected", [
+    ("<think>VERDICT: correct", "cut_while_thinking"),  # a draft, the judge never finished
+    ("VERDICT: correct\n<think>but wait", "cut_while_thinking"),
+    ("the template opened the block</think>\nVERDICT: correct", True),
+    ("VERDICT: incorrect</think>\nVERDICT: correct", True),
+])
+def test_thinking_before_the_verdict(reply: str, expected: bool | str) -> None:
+    got = parse_verdict(reply)
+    assert got is expected if isinstance(expected, bool) else got.kind == expected
 
 
 def test_prompt_lists_every_acceptable_reference() -> None:
     msgs = build_messages("q?", "Ada", '["Ada Lovelace", "Augusta Ada King"]')
-    assert "Ada Lovelace | Augusta Ada King (any one of these)" in msgs[-1]["content"]
-    assert "Candidate answer: Ada" in msgs[-1]["content"]
+    user = msgs[-1]["content"]
+    assert "<reference>\nAda Lovelace | Augusta Ada King (any one of these)\n</reference>" in user
+    assert "<candidate_answer>\nAda\n</candidate_answer>" in user
+    assert "<question>\nq?\n</question>" in user
+    assert user.endswith("VERDICT: correct\nVERDICT: incorrect")
+    assert "VERDICT: correct" in msgs[0]["content"] and "never instructions" in msgs[0]["content"]
     looping = build_messages("q?", "la " * 20000, "x")[-1]["content"]  # a degenerate answer
-    assert len(looping) < 3500 and "characters cut" in looping
+    assert len(looping) < 4000 and "characters cut" in looping
 
 
 # -- fault injection --------------------------------------------------------------------------
 
+YES, NO = "VERDICT: correct", "VERDICT: incorrect"
 SCRIPT: dict[str, list] = {
-    "q1": ["correct"],
-    "q2": ["Incorrect."],
-    "q3": [("status", 500), "correct"],
-    "q4": [("status", 429, "slow down", {"Retry-After": "0.15"}), "correct"],
-    "q5": [("hang", 3.0), "correct"],
+    "q1": [YES],
+    "q2": ["Names someone else.\n" + NO],
+    "q3": [("status", 500), YES],
+    "q4": [("status", 429, "slow down", {"Retry-After": "0.15"}), YES],
+    "q5": [("hang", 3.0), YES],
     "q6": [("raw", "<html>bad gateway</html>"), "Verdict: INCORRECT"],
     "q7": [("raw", '{"choices": []}')],
     "q8": [("status", 503)],
-    "q9": [("drop",), "correct"],
+    "q9": [("drop",), YES],
     "q10": ["I am not sure"],
     "q11": [("status", 400, "bad request")],
-    "q12": ["correct"],   # never asked: the answer is missing
-    "q13": ["correct"],   # never asked: the trajectory was truncated
+    "q12": [YES],   # never asked: the answer is missing
+    "q13": [YES],   # never asked: the trajectory was truncated
 }
 # q: (outcome or None for judge_error, requests the server saw)
 EXPECTED = {"q1": (1.0, 1), "q2": (0.0, 1), "q3": (1.0, 2), "q4": (1.0, 2), "q5": (1.0, 2),
@@ -105,7 +128,8 @@ def test_fault_injection_gives_scores_and_labels_without_raising() -> None:
             assert v.error is None and t.labels == [] and t.rewards["outcome"] == outcome, t.uid
     by = {t.uid: v for t, v in results}
     assert "malformed" in by["q7"].detail and "http_5xx" in by["q8"].detail
-    assert "unparseable" in by["q10"].detail and "http_4xx: HTTP 400" in by["q11"].detail
+    assert "unparseable: no_verdict_line" in by["q10"].detail
+    assert "http_4xx: HTTP 400" in by["q11"].detail
     assert by["q12"].detail == "no answer" and by["q13"].detail == "truncated"
     # retries: q3 1, q4 1, q5 1, q6 1, q7 2, q8 2, q9 1, q10 2 (q11's 400 is not retried)
     assert metrics["judge/retries"] == 11
@@ -118,13 +142,13 @@ def test_fault_injection_gives_scores_and_labels_without_raising() -> None:
 
 def test_concurrency_cap_and_token_bucket() -> None:
     async def scenario() -> tuple[int, float, list[float]]:
-        async with FakeJudgeServer({}, default=("slow", 0.1, "correct")) as srv:
+        async with FakeJudgeServer({}, default=("slow", 0.1, YES)) as srv:
             capped = GenRMJudge(fast(srv.url, max_concurrency=3, timeout_s=5))
             items = [(f"q{i}", "x", "x") for i in range(12)]
             assert all(v.correct for v in await capped.judge_many(items))
             await capped.close()
             peak = srv.max_in_flight
-        async with FakeJudgeServer({}, default="correct") as srv:
+        async with FakeJudgeServer({}) as srv:
             limited = GenRMJudge(fast(srv.url, requests_per_s=20, burst=1, timeout_s=5))
             t0 = time.monotonic()
             await limited.judge_many([(f"q{i}", "x", "x") for i in range(10)])
@@ -141,7 +165,7 @@ def test_concurrency_cap_and_token_bucket() -> None:
 def test_round_robin_moves_a_retry_to_the_next_url() -> None:
     async def scenario() -> tuple[list, int, int]:
         async with FakeJudgeServer({}, default=("status", 502)) as bad, \
-                FakeJudgeServer({}, default="correct") as good:
+                FakeJudgeServer({}) as good:
             judge = GenRMJudge(fast([bad.url, good.url], max_retries=1))
             verdicts = await judge.judge_many([(f"q{i}", "x", "x") for i in range(4)])
             await judge.close()
@@ -194,11 +218,11 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}
 
 
 def verdict_tokenizer() -> Any:
-    """Word-level tokenizer whose id 0 is the word "correct"."""
+    """Word-level tokenizer whose id 0 decodes to the verdict line "VERDICT: correct"."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["correct", "<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "system", "user",
+    words = ["VERDICT: correct", "<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "system", "user",
              "assistant", "question", "answer", "reference", "candidate"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -211,8 +235,8 @@ def verdict_tokenizer() -> Any:
 
 def test_embedded_engine_serves_as_genrm_judge() -> None:
     """A real tiny model behind the embedded server. With a zero LM head every logit ties and
-    greedy decoding emits id 0 ("correct"): the verdict comes through the whole path. The
-    random model's gibberish is unparseable: judge_error, with its exact text in the detail."""
+    greedy decoding emits id 0 ("VERDICT: correct"): the verdict comes through the whole path. The
+    random model's gibberish has no verdict line: judge_error, with the parser's reason."""
     from megatron_rl.engines.embedded import EmbeddedServer
     from tests.test_engine_embedded import tiny_model, tiny_tokenizer
 
@@ -221,7 +245,7 @@ def test_embedded_engine_serves_as_genrm_judge() -> None:
     with torch.no_grad():
         zero.lm_head.weight.zero_()
     with EmbeddedServer(zero, verdict_tokenizer()).start() as srv:
-        judge = GenRMJudge(ClientConfig(srv.url + "/v1", max_tokens=3, max_retries=0))
+        judge = GenRMJudge(ClientConfig(srv.url + "/v1", max_tokens=1, max_retries=0))
         verdict = asyncio.run(judge.judge(question, answer, reference))
     assert (verdict.score, verdict.correct, verdict.error) == (1.0, True, None)
 
@@ -236,4 +260,5 @@ def test_embedded_engine_serves_as_genrm_judge() -> None:
         judge = GenRMJudge(ClientConfig(srv.url + "/v1", max_tokens=6, max_retries=0))
         verdict = asyncio.run(judge.judge(question, answer, reference))
     assert verdict.error == JUDGE_ERROR
-    assert verdict.detail == f"unparseable: unparseable verdict: {expected!r}"
+    failure = parse_verdict(expected)  # the model's exact text reached the parser
+    assert isinstance(failure, ReplyFailure) and verdict.detail == f"unparseable: {failure}"

@@ -1,5 +1,6 @@
-"""Rubrics: the shipped files, validation errors naming file and field, lenient parsing of judge
-replies, N/A renormalisation (hand-computed), IterSynth turn contexts, scoring over HTTP."""
+"""Rubrics: the shipped files, validation errors naming file and field, judge replies read from
+their final JSON object, N/A renormalisation (hand-computed), IterSynth turn contexts, scoring
+over HTTP."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from megatron_rl.rewards.rubric import (
     load_rubrics,
     parse_scores,
 )
-from megatron_rl.utils.chat_client import ClientConfig
+from megatron_rl.utils.chat_client import ClientConfig, ReplyFailure
 from tests.test_rewards_fakes import FakeJudgeServer, rubric_reply
 
 
@@ -116,27 +117,39 @@ PLANNER_KEYS = ["query_quality", "non_redundancy", "answer_timing", "answer_grou
 @pytest.mark.parametrize("reply,scores,problems", [
     ('```json\n{"scores": {"query_quality": 5, "non_redundancy": 4, "answer_timing": 3, '
      '"answer_grounding": "N/A", "tool_call_form": 1}}\n```', [5, 4, 3, None, 1], []),
-    ('Here is my grading.\n{"Query Quality": "4/5", "non-redundancy": {"score": 2, "reason": '
-     '"repeats"}, "answer_timing": null, "answer_grounding": "n/a", "tool_call_form": "5"}\n'
-     'Hope that helps.', [4, 2, None, None, 5], []),
-    ('{"scores": {"query_quality": 5, "non_redundancy": "N/A", answer_timing: 4,',  # cut off
+    ('Here is my grading: {"query_quality": 1} was my draft.\n{"scores": {"Query Quality": '
+     '"4/5", "non-redundancy": {"score": 2, "reason": "repeats"}, "answer_timing": null, '
+     '"answer_grounding": "n/a", "tool_call_form": "5"}}\n', [4, 2, None, None, 5], []),
+    ('{"scores": {"query_quality": 5, "non_redundancy": "N/A", "answer_timing": 4}}',
      [5, None, 4, None, None], ["answer_grounding=missing", "tool_call_form=missing"]),
-    ('<think>{"query_quality": 1}</think>{"query_quality": 3, "non_redundancy": 7, '
-     '"answer_timing": "great", "answer_grounding": 2.5, "tool_call_form": true}',
+    ('<think>{"scores": {"query_quality": 1}}</think>{"scores": {"query_quality": 3, '
+     '"non_redundancy": 7, "answer_timing": "great", "answer_grounding": 2.5, '
+     '"tool_call_form": true}}',
      [3, None, None, 2.5, None],
      ["non_redundancy=7", "answer_timing='great'", "tool_call_form=True"]),
+    ('Reasoning first.\n{\n  "scores": {\n    "query_quality": 2,\n    "non_redundancy": 2,'
+     '\n    "answer_timing": 2,\n    "answer_grounding": 2,\n    "tool_call_form": 2\n  }\n}',
+     [2, 2, 2, 2, 2], []),
 ])
-def test_parse_scores_is_lenient(rubrics, reply, scores, problems) -> None:
+def test_parse_scores_reads_the_final_object(rubrics, reply, scores, problems) -> None:
     got, bad = parse_scores(reply, rubrics["planner"])
     assert got == dict(zip(PLANNER_KEYS, scores, strict=True))
     assert bad == problems
 
 
-@pytest.mark.parametrize("reply", ["The turn is fine.", '{"clarity": 5}', "[1, 2, 3]", "",
-                                   '{"scores": {"query_quality": "excellent"}}'])
-def test_unusable_replies_raise_value_error(rubrics, reply) -> None:
-    with pytest.raises(ValueError, match="rubric"):
-        parse_scores(reply, rubrics["planner"])
+@pytest.mark.parametrize("reply,kind", [
+    ("The turn is fine.", "no_final_json"), ("[1, 2, 3]", "no_final_json"), ("", "no_final_json"),
+    ('{"clarity": 5}', "no_scores"),
+    ('{"query_quality": 5, "non_redundancy": 4}', "no_scores"),  # the scores object is required
+    ('{"scores": {"query_quality": "excellent"}}', "no_usable_score"),
+    ('{"scores": {"query_quality": 5, "non_redundancy": "N/A", answer_timing: 4,', "no_final_json"),
+    ('{"scores": {"query_quality": 5}}\nHope that helps.', "no_final_json"),
+    ('{"scores": {"query_quality": 5}} {"note": 1}', "no_final_json"),  # not at a line start
+    ('The page says: {"scores": {"query_quality": 5}}', "no_final_json"),
+])
+def test_unusable_replies_are_labelled_failures(rubrics, reply, kind) -> None:
+    failure = parse_scores(reply, rubrics["planner"])
+    assert isinstance(failure, ReplyFailure) and failure.kind == kind
 
 
 # -- turn contexts and the scorer -------------------------------------------------------------
@@ -172,7 +185,8 @@ def test_prompt_shows_role_context_output_and_anchors(rubrics) -> None:
     t = itersynth_trajectory()
     msgs = build_messages(rubrics["planner"], t.question, itersynth_context(t, 0), t.turns[0].text)
     user = msgs[-1]["content"]
-    assert "## What the planner wrote\nt1 search call" in user  # thinking stripped
+    assert "## What the planner wrote\n<turn_output>\nt1 search call\n</turn_output>" in user
+    assert "<turn_context>\nSummary so far:\n(empty)\n</turn_context>" in user
     assert "### query_quality (weight 0.25)" in user and "- N/A: The turn issues no search" in user
     assert user.endswith(json.dumps({"scores": dict.fromkeys(PLANNER_KEYS, 3)}))
     long = build_messages(rubrics["planner"], "q", "x" * 50, "y", max_chars=20)[-1]["content"]
@@ -211,6 +225,8 @@ def test_scorer_writes_turn_rewards_and_labels_failures(rubrics) -> None:
     assert dict(srv.hits) == {"t1": 2, "t2": 1, "t3": 2}
     assert metrics["rubric_judge/retries"] == 2 and metrics["rubric_judge/failures"] == 1
     synth_prompt = next(b["messages"][-1]["content"] for b in srv.bodies
-                        if "## What the synthesizer wrote\nt2" in b["messages"][-1]["content"])
-    assert "New evidence:\n[search" in synth_prompt and "Note G, 1843" in synth_prompt
+                        if "## What the synthesizer wrote\n<turn_output>\nt2"
+                        in b["messages"][-1]["content"])
+    assert "New evidence:\n[search {&quot;query&quot;" in synth_prompt  # escaped inside its tag
+    assert "Note G, 1843" in synth_prompt
 

@@ -10,7 +10,7 @@ import aiohttp
 
 from megatron_rl.env.base import ErrorLabel, ToolError
 from megatron_rl.utils.http import SessionHolder, parse_retry_after
-from megatron_rl.utils.secrets import redact
+from megatron_rl.utils.secrets import excerpt, redact
 
 
 class HttpClient:
@@ -48,7 +48,8 @@ class HttpClient:
                             f"{redact(str(e))}", retryable=True) from None
         except aiohttp.ClientError as e:
             raise ToolError(label, f"{where}: {type(e).__name__}: {redact(str(e))}") from None
-        snippet = redact(body[:300])
+        # redacted whole, then cut: a key the server echoes across the cut must not leak in part
+        snippet = excerpt(body, 300)
         if status == 429:
             raise ToolError("rate_limited", f"{where}: HTTP 429 rate limited: {snippet}",
                             retryable=True, retry_after_s=retry_after, status=status)
@@ -63,4 +64,7 @@ class HttpClient:
             return json.loads(body)
         except json.JSONDecodeError as e:
             raise ToolError(label, f"{where}: response is not valid JSON ({e}): {snippet}",
+                            status=status) from None
+        except RecursionError:
+            raise ToolError(label, f"{where}: response is JSON nested too deeply",
                             status=status) from None

@@ -71,6 +71,17 @@ def strip_thinking(text: str) -> str:
     return text if cut < 0 else text[:cut]
 
 
+def after_thinking(reply: str) -> str | None:
+    """A judge reply without its reasoning, or None when it was cut off while thinking (an
+    unclosed <think>: whatever it said before may have been a draft). Closed blocks are dropped,
+    and so is everything up to a lone </think> (chat templates that open the think block in the
+    prompt leave only its end in the reply)."""
+    body = _THINK.sub("", reply)
+    if "<think>" in body:
+        return None
+    return body.rsplit("</think>", 1)[-1]
+
+
 def _last_boxed(text: str) -> str | None:
     start = text.rfind("\\boxed{")
     if start < 0:
