@@ -68,9 +68,9 @@ class ConstJudge:
         return Verdict(self.score, self.score > 0.5, None, "const")
 
 
-def make_tool(index):
+def make_tool(ctx):
     from megatron_rl.env.search import LocalSearch
-    tool = LocalSearch(index)
+    tool = LocalSearch(ctx.index)
     tool.name = "my_search"
     return tool
 

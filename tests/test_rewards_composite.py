@@ -115,8 +115,9 @@ def test_group_with_genrm_and_rubric_over_http() -> None:
     assert good.rewards == {"outcome": 1.0} and good.labels == []
     assert planner.rewards["rubric"] == pytest.approx((0.2 * 1 + 0.2 * 0.75) / 0.4)
     assert flaky.labels == [JUDGE_ERROR] and "outcome" not in flaky.rewards
-    # the rubric judge has no script for t2: its default reply is not a rubric -> judge_error
-    assert flaky.turns[0].labels == [JUDGE_ERROR]
+    # the rubric judge has no script for t2: its default reply is not a rubric -> that turn
+    # is N/A and counted (the trajectory's label comes from its outcome judge)
+    assert flaky.turns[0].labels == [] and flaky.metadata["rubric_failed_turns"] == 1
     assert turn_rewards(good, RewardWeights(outcome=1.0, rubric=0.5)) == [1.0 + 0.5 * 0.875]
 
 
@@ -174,7 +175,7 @@ def test_taxonomy_metrics_on_a_constructed_batch(tmp_path) -> None:
         "rollout/length_finish_rate": 0.1,
         "rollout/agent_turns_mean": 1.4, "rollout/planner_turns_mean": 0.4,
         "rollout/synthesizer_turns_mean": 0.2,
-        "tools/calls_mean": 1.0,
+        "tools/calls_mean": 1.0, "reward/rubric_failed_turns": 0.0,
         "tools/search_calls": 2.0, "tools/search_error_rate": 0.5,
         "tools/visit_calls": 2.0, "tools/visit_error_rate": 0.5,
         "tools/other_calls": 1.0, "tools/other_error_rate": 1.0,   # "sea rch!" is bucketed

@@ -193,7 +193,7 @@ def test_prompt_shows_role_context_output_and_anchors(rubrics) -> None:
     assert "x" * 10 + "\n[... 30 characters cut ...]\n" + "x" * 10 in long
 
 
-def test_scorer_writes_turn_rewards_and_labels_failures(rubrics) -> None:
+def test_scorer_writes_turn_rewards_and_counts_failures(rubrics) -> None:
     script: dict[str, list] = {
         "t1": [("status", 500), rubric_reply(query_quality=5, non_redundancy=3, answer_timing="N/A",
                                              answer_grounding="N/A", tool_call_form=4)],
@@ -218,9 +218,10 @@ def test_scorer_writes_turn_rewards_and_labels_failures(rubrics) -> None:
     # t2: (.3*1 + .2*.75 + .1*1 + .2*.5) / (.3 + .2 + .1 + .2)
     assert synth.rewards["rubric"] == pytest.approx(0.65 / 0.8)
     assert results[1].dimensions["retention"] is None and results[1].error is None
-    assert "rubric" not in answer.rewards and answer.labels == [JUDGE_ERROR]
+    # a failed call: that turn is N/A and counted; the trajectory keeps no label (stays in)
+    assert "rubric" not in answer.rewards and answer.labels == []
     assert results[2].error == JUDGE_ERROR and "unparseable" in results[2].detail
-    assert t.labels == [JUDGE_ERROR]
+    assert t.labels == [] and t.metadata["rubric_failed_turns"] == 1
     assert results[3] is None and agent.rewards == {} and srv.hits.get("t4") is None
     assert dict(srv.hits) == {"t1": 2, "t2": 1, "t3": 2}
     assert metrics["rubric_judge/retries"] == 2 and metrics["rubric_judge/failures"] == 1

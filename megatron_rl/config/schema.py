@@ -99,6 +99,87 @@ class DataConfig:
 
 
 @dataclass
+class ReliabilityConfig:
+    """Limits of one backend (`env/reliability.py` Guard). Times in seconds; None = off."""
+
+    timeout_s: float = bounded(30.0, gt=0, help="per attempt, without rate-limit waits")
+    max_retries: int = bounded(3, ge=0, help="extra attempts on retryable failures")
+    backoff_base_s: float = bounded(0.5, ge=0, help="retry n waits base * 2**(n-1) + jitter")
+    backoff_max_s: float = bounded(8.0, ge=0)
+    jitter: float = bounded(0.2, ge=0, help="share of the delay added at random")
+    max_retry_after_s: float = bounded(60.0, ge=0, help="a 429 asking longer fails at once")
+    rate_per_s: float | None = bounded(None, gt=0, help="token-bucket rate; None = no limit")
+    burst: int = bounded(1, ge=1, help="token-bucket size")
+    max_concurrency: int | None = bounded(16, ge=1, help="in flight per process; None = no cap")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_bounds(f"limits.{f.name}", getattr(self, f.name), f.metadata)
+
+
+@dataclass
+class SearchConfig:
+    """`env.search`: the backend behind the `search` tool."""
+
+    kind: str = bounded("local", choices=("local", "http", "serper"))
+    index: str | None = bounded(None, help="local: an index folder (`megatron-rl search build`); "
+                                "None = the task's own (the generated world's)")
+    url: str | None = bounded(None, help="http: the search service (`megatron-rl search serve`)")
+    key_env: str = bounded("SERPER_API_KEY", help="serper: NAME of the variable with the key")
+    limits: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+
+
+@dataclass
+class SummarizerConfig:
+    """`env.visit.summarizer`: how a visited page becomes the observation."""
+
+    kind: str = bounded("extractive", choices=("extractive", "chat"))
+    max_chars: int = bounded(3000, ge=100, help="extractive: characters kept")
+    base_url: str | None = bounded(None, help="chat: an OpenAI-compatible base URL (…/v1)")
+    pool: str | None = bounded(None, help="chat: an aux pool by name (rollout.aux_pools)")
+    model: str = "default"
+    key_env: str | None = bounded(None, help="chat: NAME of the variable with a bearer key")
+    max_tokens: int = bounded(1024, ge=1)
+    limits: ReliabilityConfig = field(default_factory=lambda: ReliabilityConfig(timeout_s=120.0))
+
+
+@dataclass
+class VisitConfig:
+    """`env.visit`: where the `visit` tool reads pages."""
+
+    kind: str = bounded("local", choices=("local", "http", "jina"))
+    index: str | None = bounded(None, help="local: an index folder; None = env.search.index, "
+                                "else the task's own")
+    url: str | None = bounded(None, help="http: the search service (its /visit)")
+    key_env: str = bounded("JINA_API_KEY", help="jina: NAME of the variable with the key")
+    summarizer: SummarizerConfig = field(default_factory=SummarizerConfig)
+    limits: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+
+
+@dataclass
+class EnvConfig:
+    """`env`: the tools' backends. Secrets are named, never given: `key_env` fields hold the
+    names of environment variables."""
+
+    search: SearchConfig = field(default_factory=SearchConfig)
+    visit: VisitConfig = field(default_factory=VisitConfig)
+    cache: str | None = bounded(None, help="tool-result cache: a sqlite file path; None = off")
+    cache_url_env: str | None = bounded(None, help="NAME of a variable holding a Postgres URL "
+                                        "for a cache shared by every worker")
+    cache_ttl_s: float | None = bounded(None, gt=0, help="cache entry lifetime; None = forever")
+
+    def __post_init__(self) -> None:
+        if self.cache and self.cache_url_env:
+            raise ConfigError("env.cache: set env.cache or env.cache_url_env, not both")
+        for name, backend in (("search", self.search), ("visit", self.visit)):
+            if backend.kind == "http" and not backend.url:
+                raise ConfigError(f"env.{name}.url: required with env.{name}.kind=http")
+        s = self.visit.summarizer
+        if s.kind == "chat" and (s.base_url is None) == (s.pool is None):
+            raise ConfigError("env.visit.summarizer: kind=chat needs base_url or pool (one)")
+
+
+@dataclass
 class AuxPoolConfig:
     """An auxiliary engine pool (judge, summarizer) placed beside the policy engines and handed
     to its callers as OpenAI-compatible base URLs (`http://IP:PORT/v1`)."""
@@ -357,6 +438,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 

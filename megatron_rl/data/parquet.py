@@ -103,6 +103,19 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
     return out
 
 
+def _mapping(value: Any, where: str) -> Any:
+    """A dict column, also when a writer stored it as JSON text (parquet cannot hold an empty
+    struct, so datasets often do)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            return json.loads(value) if value.strip() else {}
+        except (json.JSONDecodeError, RecursionError):
+            raise DataError(f"{where}: neither a mapping nor JSON text of one") from None
+    return value
+
+
 def parse_row(row: Any, where: str, tool_names: Iterable[str] | None = None) -> Prompt:
     """One verl row → a `Prompt` (question = the last user message)."""
     if not isinstance(row, dict):
@@ -115,10 +128,11 @@ def parse_row(row: Any, where: str, tool_names: Iterable[str] | None = None) -> 
     if not isinstance(reward, dict) or "ground_truth" not in reward:
         raise DataError(f"{where}.reward_model: a mapping with 'ground_truth'")
     answers = _answers(reward["ground_truth"], f"{where}.reward_model")
-    extra = row.get("extra_info") or {}
+    extra = _mapping(row.get("extra_info"), f"{where}.extra_info")
     if not isinstance(extra, dict):
         raise DataError(f"{where}.extra_info: a mapping, got {type(extra).__name__}")
-    tools_kwargs = row.get("tools_kwargs") or extra.get("tools_kwargs") or {}
+    tools_kwargs = _mapping(row.get("tools_kwargs") or extra.get("tools_kwargs"),
+                            f"{where}.tools_kwargs")
     if not isinstance(tools_kwargs, dict):
         raise DataError(f"{where}.tools_kwargs: a mapping of tool name → arguments")
     if tool_names is not None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from megatron_rl.config.schema import ReliabilityConfig
 from megatron_rl.env.base import ErrorLabel, ToolError, ToolResult, validate_arguments
 from megatron_rl.utils.http import LoopBound, TokenBucket
 from megatron_rl.utils.secrets import redact, register_secret
@@ -33,29 +34,6 @@ T = TypeVar("T")
 
 
 # -- config ---------------------------------------------------------------------------------------
-
-@dataclass
-class ReliabilityConfig:
-    """Per-backend limits. Times in seconds; `None` switches a limit off."""
-
-    timeout_s: float = 30.0  # per attempt, not counting waits for the rate limit or a slot
-    max_retries: int = 3  # extra attempts after the first, on retryable failures only
-    backoff_base_s: float = 0.5  # delay before retry n is base * 2**(n-1), capped, plus jitter
-    backoff_max_s: float = 8.0
-    jitter: float = 0.2  # fraction of the delay added at random (spreads synchronized workers)
-    max_retry_after_s: float = 60.0  # a 429 asking for a longer wait fails at once
-    rate_per_s: float | None = None  # token bucket refill rate
-    burst: int = 1  # bucket size
-    max_concurrency: int | None = 16  # in-flight requests of this backend, per process
-
-    def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or self.max_retries < 0 or self.burst < 1:
-            raise ValueError(f"invalid ReliabilityConfig {self}")
-        if self.rate_per_s is not None and self.rate_per_s <= 0:
-            raise ValueError(f"rate_per_s must be > 0 or None, got {self.rate_per_s}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1 or None, got {self.max_concurrency}")
-
 
 # -- limits and retries ---------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ summaries have their own limits and retries, so a slow summarizer never refetche
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
 import re
@@ -228,13 +229,19 @@ def strip_reasoning(text: str) -> str:
 
 class ChatSummarizer:
     """Query-focused digest from an OpenAI-compatible endpoint (`POST {base_url}/chat/
-    completions`; `base_url` as for the OpenAI client, e.g. `http://host:port/v1`). An optional
-    bearer key comes from the environment variable `key_env`."""
+    completions`; `base_url` as for the OpenAI client, e.g. `http://host:port/v1`), or from a
+    pool of them (a list: taken in turn, e.g. an in-cluster aux pool). An optional bearer key
+    comes from the environment variable `key_env`."""
 
-    def __init__(self, base_url: str, model: str, *, key_env: str | None = None,
+    def __init__(self, base_url: str | list[str], model: str, *, key_env: str | None = None,
                  max_input_chars: int = 60_000, max_tokens: int = 1024,
                  reliability: ReliabilityConfig | None = None):
-        self.base_url = base_url.rstrip("/")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("ChatSummarizer: no base URL")
+        self.base_urls = [u.rstrip("/") for u in urls]
+        self.base_url = self.base_urls[0]
+        self._next = itertools.cycle(self.base_urls)
         self.model = model
         self._api_key = os.environ.get(key_env, "") if key_env else ""
         register_secret(self._api_key)
@@ -263,7 +270,7 @@ class ChatSummarizer:
                              {"role": "user", "content": user}]}
 
     async def _complete(self, body: dict[str, Any]) -> str:
-        url = self.base_url + "/chat/completions"
+        url = next(self._next) + "/chat/completions"
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
         data = await self.http.request("POST", url, label="summarizer_error",
                                        where=f"POST {url}", json_body=body, headers=headers)
@@ -310,8 +317,3 @@ class Visit(ManagedTool):
         content = f"Title: {page.title}\nURL: {page.url}\n\n{digest}"
         return ToolOutput(content, {"url": page.url, "title": page.title,
                                     "page_chars": len(page.text)})
-
-
-def local_visit(index: SearchIndex | str | Path) -> Visit:
-    """Visit over the pages of a local index, with the extractive summarizer."""
-    return Visit(LocalPages(index))

@@ -10,7 +10,8 @@ must end the reply (reasoning before it and a code fence around it are fine), so
 says "JUDGE: every dimension scores 5" is graded, not obeyed. Within that object values are read
 leniently ("4/5", {"score": 4}); a dimension the judge left out or scored out of range counts
 as N/A. A reply without the object or without any usable score is retried, and a turn whose
-judge keeps failing gets `judge_error` (an environment failure, like the outcome judge).
+judge keeps failing scores N/A for that turn (counted in `metadata["rubric_failed_turns"]` and
+the `reward/rubric_failed_turns` metric); the trajectory stays in the loss.
 """
 
 from __future__ import annotations
@@ -346,7 +347,9 @@ class RubricScorer:
 
     async def score_trajectory(self, traj: Trajectory) -> list[RubricResult | None]:
         """Score every turn with a rubric (concurrently): writes `turn.rewards["rubric"]`
-        (unless all dimensions were N/A) and labels `judge_error` on a failed turn."""
+        (unless all dimensions were N/A). A turn whose judge call failed scores N/A (it keeps
+        its outcome part) and is counted in `traj.metadata["rubric_failed_turns"]`: one bad
+        call does not drop the trajectory."""
         async def one(i: int) -> RubricResult | None:
             turn = traj.turns[i]
             if turn.role not in self.rubrics:
@@ -354,7 +357,8 @@ class RubricScorer:
             res = await self.score(turn.role, traj.question, self.context_fn(traj, i),
                                    turn.text)
             if res.error:
-                traj.add_label(JUDGE_ERROR, turn)
+                traj.metadata["rubric_failed_turns"] = \
+                    traj.metadata.get("rubric_failed_turns", 0) + 1
             elif res.score is not None:
                 turn.rewards["rubric"] = res.score
             return res

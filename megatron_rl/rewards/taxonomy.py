@@ -69,6 +69,8 @@ def taxonomy_metrics(trajectories: list[Trajectory], *, pass_threshold: float = 
     for role, count in sorted(role_turns.items()):
         out[f"rollout/{role}_turns_mean"] = count / n
     out["tools/calls_mean"] = sum(tool_calls.values()) / n
+    out["reward/rubric_failed_turns"] = float(sum(t.metadata.get("rubric_failed_turns", 0)
+                                                  for t in trajectories))
     for name, count in sorted(tool_calls.items()):
         out[f"tools/{name}_calls"] = float(count)
         out[f"tools/{name}_error_rate"] = tool_errors[name] / count

@@ -12,6 +12,7 @@ from typing import Any
 from megatron_rl.config.schema import Config
 from megatron_rl.data.parquet import read_prompts
 from megatron_rl.data.world import build_world_index, generate_world
+from megatron_rl.env.build import ToolContext
 from megatron_rl.env.registry import TOOLS
 from megatron_rl.records.prompt import Prompt
 from megatron_rl.rewards.composite import build_judge, score_group
@@ -24,11 +25,20 @@ TRAIN_QUESTIONS = 64
 
 def search_task(cfg: Config, tokenizer: Any, folder: Path,
                 aux_urls: dict[str, list[str]]) -> Task:
+    """The agent with `rl.tools` (backends from `env`), prompts from `data` (else the generated
+    world's questions), the outcome judge `rl.judge` and the optional rubric judge."""
     rl = cfg.rl
-    world = generate_world(num_docs=rl.world_docs, seed=cfg.train.seed)
-    where = folder / f"world-{rl.world_docs}-{cfg.train.seed}"  # deterministic: reusable
-    index = where / "index" if (where / "index").is_dir() else build_world_index(world, where)
-    tools = [TOOLS.get(name, f"rl.tools[{i}]")(index=index) for i, name in enumerate(rl.tools)]
+    own_index = cfg.env.search.kind == "local" and cfg.env.search.index is None
+    world = None
+    if not cfg.data.train_files or own_index:  # the world's questions, or its pages
+        world = generate_world(num_docs=rl.world_docs, seed=cfg.train.seed)
+    index = None
+    if world is not None:
+        where = folder / f"world-{rl.world_docs}-{cfg.train.seed}"  # deterministic: reusable
+        index = where / "index" if (where / "index").is_dir() else build_world_index(world,
+                                                                                      where)
+    ctx = ToolContext.open(cfg.env, index, aux_urls)
+    tools = [TOOLS.get(name, f"rl.tools[{i}]")(ctx) for i, name in enumerate(rl.tools)]
     n_eval = rl.eval_prompts if rl.eval_every else 0
     if cfg.data.train_files:
         prompts, held_out = data_prompts(cfg, [t.name for t in tools], n_eval)
