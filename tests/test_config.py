@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megatron_rl.config.loader import ConfigError, load_config, parse_overrides
+from megatron_rl.config.loader import CONFIG_ROOT, ConfigError, load_config, parse_overrides
 from megatron_rl.config.schema import Config
 
 
@@ -110,3 +110,28 @@ def test_non_utf8_recipe_and_duplicate_keys_name_the_file(tmp_path):
     ok = tmp_path / "ok.yaml"
     ok.write_text("optim:\n  lr: 1.0e-3\ntrain:\n  seed: 3\n")
     assert load_config(str(ok)).optim.lr == 1e-3
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (CONFIG_ROOT / "recipes").glob("*.yaml")))
+def test_every_recipe_loads(recipe):
+    import megatron_rl.tasks  # noqa: F401  (registry fields checked against every registry)
+
+    load_config(recipe)
+
+
+def test_the_seeds_recipes_carry_their_numbers():
+    s1, s2 = load_config("literesearcher-stage1"), load_config("literesearcher-stage2")
+    assert (s1.model.name, s1.rl.sampling.groups_per_step, s1.rl.sampling.samples_per_prompt,
+            s1.rl.max_turns, s1.rl.temperature) == ("qwen3-4b", 256, 8, 40, 0.7)
+    assert (s1.rl.loss.clip_ratio_low, s1.rl.loss.clip_ratio_high, s1.rl.loss.kl_coef,
+            s1.rl.loss.entropy_coef) == (0.2, 0.4, 0.0, 0.0)
+    assert (s1.rl.tis.level, s1.rl.tis.mode, s1.rl.tis.threshold) == ("token", "truncate", 2.0)
+    assert s1.rollout.trainer_ranks * s1.rollout.trainer_gpus == 8           # 1 node x 8
+    assert (s2.rl.sampling.groups_per_step, s2.rl.max_turns, s2.rl.temperature) == (128, 60, 1.0)
+    assert s2.rollout.trainer_ranks == 16                                     # 2 nodes x 8
+    assert s2.checkpoint.init_from == s1.checkpoint.dir                       # from stage 1
+    assert s2.model.seq_length - s1.model.seq_length == 16384                 # 32k -> 48k
+    it = load_config("itersynth-rdpo")
+    assert (it.model.name, it.rl.reward_manager, it.rl.agent) == ("qwen3-8b", "rdpo", "itersynth")
+    assert (it.rl.sampling.groups_per_step, it.rl.sampling.samples_per_prompt) == (16, 8)
+    assert it.model.seq_length == 24576 + 8192 and it.rl.max_new_tokens == 8192

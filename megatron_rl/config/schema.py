@@ -82,6 +82,9 @@ class CheckpointConfig:
     dir: str | None = bounded(None, help="where step_XXXXXX/ folders go; None = no saving")
     save_every: int = bounded(0, ge=0, help="steps between saves; 0 = only at the end")
     load: str | None = bounded(None, help="a checkpoint folder, or 'latest' (from dir)")
+    init_from: str | None = bounded(None, help="start a new run from another run's model "
+                                    "weights (a checkpoint folder or run folder): step 0, fresh "
+                                    "optimizer and data cursor; checkpoint.load wins")
     keep_last: int = bounded(2, ge=1)
     verify: str = bounded("crc32", choices=("size", "crc32"),
                           help="integrity check of every file on load")
@@ -251,9 +254,6 @@ class RolloutConfig:
                     check_bounds(f"{where}.{f.name}", getattr(pool, f.name), f.metadata)
             else:
                 pool = from_dict(AuxPoolConfig, pool, f"{where}.")
-            if pool.model_path is None and self.model_path is None:
-                raise ConfigError(f"{where}.model_path: required when rollout.model_path is "
-                                  "not set")
             if pool.engine_cpus <= 0 and pool.engine_gpus == 0:
                 raise ConfigError(f"{where}.engine_cpus: a bundle needs a CPU or a GPU")
             if pool.engine == "sglang" and pool.engine_gpus < 1:
@@ -272,8 +272,6 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.node_ip={self.node_ip!r}: not an IPv4 address"
                                   ) from None
         if self.engine == "sglang":
-            if self.model_path is None:
-                raise ConfigError("rollout.model_path: engine=sglang needs a model directory")
             if self.engine_gpus < 1:
                 raise ConfigError(f"rollout.engine_gpus={self.engine_gpus}: engine=sglang "
                                   "needs >= 1")
@@ -453,3 +451,12 @@ class Config:
             raise ConfigError(f"optim.min_lr={self.optim.min_lr} exceeds optim.lr={self.optim.lr}")
         if self.model.dtype == "fp16":
             raise ConfigError("model.dtype=fp16 is not supported (use bf16 or fp32)")
+        ro = self.rollout
+        served = ro.model_path or self.model.hf_path  # engines serve the policy's folder
+        if ro.engine == "sglang" and served is None:
+            raise ConfigError("rollout.model_path: engine=sglang needs a model directory (or "
+                              "model.hf_path)")
+        for name, pool in ro.aux_pools.items():
+            if pool.model_path is None and served is None:
+                raise ConfigError(f"rollout.aux_pools.{name}.model_path: required when "
+                                  "neither rollout.model_path nor model.hf_path is set")

@@ -23,10 +23,12 @@ class TrainerWorker:
         # the run's initial policy, also when resuming (taken before loading)
         self.reference = ReferencePolicy(self.actor) if cfg.rl.loss.kl_coef else None
         self.progress: dict[str, Any] = {"step": 0}
-        if cfg.checkpoint.load:
-            ref = cfg.checkpoint.load
-            self.progress = load_checkpoint(self.actor, cfg.checkpoint.dir if ref == "latest"
-                                            else ref)
+        ck = cfg.checkpoint
+        if ck.load:
+            self.progress = load_checkpoint(self.actor, ck.dir if ck.load == "latest"
+                                            else ck.load)
+        elif ck.init_from:  # a new stage: the weights only (its own step, optimizer, data)
+            load_checkpoint(self.actor, ck.init_from, optimizer=False, rng=False)
         self.syncer: WeightSyncer | None = None
 
     def describe(self) -> dict[str, Any]:
