@@ -48,7 +48,7 @@ def import_hf(hf_dir: str, out_dir: str, model_name: str, dtype: str = "fp32",
     spec = get_model_spec(model_name)
     wmap = WeightMap(spec)
     hf = HFCheckpoint(hf_dir)
-    hf.check(wmap, (HF_CLASSES[spec.architecture][1], *_vl_names(spec)))
+    hf.check(wmap, (HF_CLASSES[spec.architecture][1], *_vl_names(spec)), _model_types(spec))
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     planner = _StreamingImportPlanner(wmap, hf, out_dtype, progress)
 
@@ -175,6 +175,14 @@ def _vl_names(spec: ModelSpec) -> tuple[str, ...]:
     return ("Qwen3_5MoeForConditionalGeneration",) if spec.architecture == "qwen3_5_moe" else ()
 
 
+def _model_types(spec: ModelSpec) -> tuple[str, ...]:
+    """config.json `model_type` values of the registry entry's family (text model, VL)."""
+    import transformers
+
+    text = getattr(transformers, HF_CLASSES[spec.architecture][0]).model_type
+    return (text, "qwen3_5_moe") if spec.architecture == "qwen3_5_moe" else (text,)
+
+
 def export_hf(ckpt_dir: str, out_dir: str, model_name: str, tokenizer_dir: str | None = None,
               dtype: str | None = None, max_shard_bytes: int = 2 << 30,
               overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -196,10 +204,6 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str, tokenizer_dir: str |
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite to replace it)")
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-
     metadata = read_metadata(src)
     model_keys = {k for k in metadata if "_extra_state" not in k
                   and k.startswith(("embedding.", "decoder.", "mtp.", "output_layer."))}
@@ -213,6 +217,9 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str, tokenizer_dir: str |
         raise WeightMapError(f"{src}: tensor '{absent[0]}' is missing from the checkpoint")
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[dtype]
 
+    tmp = out.parent / f".tmp-{out.name}"  # only once the checkpoint's metadata is known good
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
     units = list(wmap.units())
     bar = tqdm(total=len(units), desc="export", unit="tensor", disable=not progress,
@@ -264,9 +271,9 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str, tokenizer_dir: str |
 
 def read_metadata(folder: Path) -> dict[str, Any]:
     """Key → TensorStorageMetadata (global size, dtype) of a torch_dist checkpoint."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from megatron_rl.checkpoint.safe_io import SafeFileSystemReader
 
-    return FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return SafeFileSystemReader(str(folder)).read_metadata().state_dict_metadata
 
 
 def read_regions(folder: Path, regions: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
@@ -274,14 +281,23 @@ def read_regions(folder: Path, regions: dict[str, tuple[tuple[int, ...], tuple[i
     """Read only `regions` (key → (offsets, sizes)) of a torch_dist checkpoint."""
     import warnings
 
-    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_rl.checkpoint.safe_io import SafeFileSystemReader, unwrap_dcp_error
 
     buffers = {k: torch.empty(sizes, dtype=metadata[k].properties.dtype)
                for k, (_, sizes) in regions.items()}
     with warnings.catch_warnings():  # "assuming single process" is exactly the intent
         warnings.simplefilter("ignore")
-        load(buffers, storage_reader=FileSystemReader(str(folder)),
-             planner=_region_planner(regions), no_dist=True)
+        try:
+            load(buffers, storage_reader=SafeFileSystemReader(str(folder)),
+                 planner=_region_planner(regions), no_dist=True)
+        except CheckpointException as e:  # DCP wraps the reader's error: surface ours
+            cause = unwrap_dcp_error(e)
+            if cause is e:
+                raise
+            raise cause from e
     return buffers
 
 

@@ -20,8 +20,108 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 VL_TEXT_PREFIX = "model.language_model."
 
 
+# bits per element of each safetensors dtype
+_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+               "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+               "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def _read_json_object(path: Path) -> dict:
+    """A JSON object from `path`, or HFCheckpointError naming the file."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise HFCheckpointError(f"{path}: not UTF-8 text ({e})") from e
+    except json.JSONDecodeError as e:
+        raise HFCheckpointError(f"{path}: not JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise HFCheckpointError(f"{path}: not a JSON object (found {type(data).__name__})")
+    return data
+
+
+def _member(folder: Path, name: object, where: Path) -> Path:
+    """`folder/name` for a plain file name of the folder (`where` lists it). A symlink must
+    stay inside the folder, or be a Hugging Face cache snapshot's link to its repo's blobs."""
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
+            or "\x00" in name):
+        raise HFCheckpointError(f"{where}: {name!r} is not a file name inside {folder}")
+    path = folder / name
+    if path.is_symlink():
+        target, home = path.resolve(), folder.resolve()
+        cache_blobs = (home.parent.parent / "blobs" if home.parent.name == "snapshots"
+                       else None)
+        if not (target.is_relative_to(home)
+                or (cache_blobs is not None and target.parent == cache_blobs)):
+            raise HFCheckpointError(f"{where}: {name} is a symlink to {target}, outside {folder}")
+    return path
+
+
+def _check_header(path: Path) -> dict[str, dict]:
+    """The tensor table of a safetensors file, checked against the file: header length,
+    every tensor's span inside the data, span = dtype × shape, no overlaps, no gaps."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise HFCheckpointError(f"{path}: {size} bytes, too short for a safetensors file")
+        n = int.from_bytes(head, "little")
+        if n > size - 8 or n > _MAX_HEADER:
+            raise HFCheckpointError(f"{path}: header length {n} is beyond the file "
+                                    f"({size} bytes)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFCheckpointError(f"{path}: unreadable safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise HFCheckpointError(f"{path}: safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - n
+    spans = []
+    for name, info in header.items():
+        where = f"{path}: tensor {name}"
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise HFCheckpointError(f"{where}: entry is not {{dtype, shape, data_offsets}}")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in _DTYPE_BITS:
+            raise HFCheckpointError(f"{where}: unknown dtype {dtype!r}")
+        if not (isinstance(shape, list)
+                and all(type(d) is int and d >= 0 for d in shape)):
+            raise HFCheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise HFCheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end]")
+        begin, end = offsets
+        if end > data_bytes:
+            raise HFCheckpointError(f"{where}: data_offsets {offsets} reach beyond the end of "
+                                    f"the file ({data_bytes} data bytes)")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel * _DTYPE_BITS[dtype] != 8 * (end - begin):
+            raise HFCheckpointError(f"{where}: {dtype} {shape} needs "
+                                    f"{numel * _DTYPE_BITS[dtype] / 8:g} bytes, but its "
+                                    f"data_offsets span {end - begin}")
+        spans.append((begin, end, name))
+    at, previous = 0, None
+    for begin, end, name in sorted(spans):
+        if begin < at:
+            raise HFCheckpointError(f"{path}: tensor {name} overlaps tensor {previous} "
+                                    f"(bytes {begin}..{at})")
+        if begin > at:
+            raise HFCheckpointError(f"{path}: {begin - at} unaccounted bytes before tensor "
+                                    f"{name}")
+        at, previous = end, name
+    if at != data_bytes:
+        raise HFCheckpointError(f"{path}: {data_bytes - at} bytes after the last tensor")
+    return header
+
+
 class HFCheckpoint:
-    """Reads tensors one at a time (memory ~ one tensor), checking the folder up front."""
+    """Reads tensors one at a time (memory ~ one tensor), checking the folder up front: the
+    folder is untrusted input, so every file, header and index entry is checked before use
+    and each error names the file (and tensor)."""
 
     def __init__(self, path: str | Path):
         from safetensors import safe_open
@@ -32,20 +132,36 @@ class HFCheckpoint:
         config = self.path / "config.json"
         if not config.is_file():
             raise HFCheckpointError(f"{self.path} is not an HF checkpoint: no config.json")
-        self.config = json.loads(config.read_text())
-        if (self.path / INDEX).is_file():
-            weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+        self.config_path = _member(self.path, "config.json", self.path)
+        self.config = _read_json_object(config)
+        index = self.path / INDEX
+        if index.is_file():
+            _member(self.path, INDEX, self.path)
+            weight_map = _read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise HFCheckpointError(f"{index}: no weight_map object of tensor → file")
+            for file in weight_map.values():
+                _member(self.path, file, index)
         elif (self.path / SINGLE).is_file():
             weight_map = None
         else:
             raise HFCheckpointError(f"{self.path}: no {SINGLE} and no {INDEX}")
+        # every shard's header is checked against its file when the shard is opened: here
+        self.headers: dict[str, dict[str, dict]] = {}
         if weight_map is None:
-            with safe_open(self.path / SINGLE, "pt") as f:
-                weight_map = dict.fromkeys(f.keys(), SINGLE)
+            _member(self.path, SINGLE, self.path)
+            self.headers[SINGLE] = _check_header(self.path / SINGLE)
+            weight_map = dict.fromkeys(self.headers[SINGLE], SINGLE)
         missing_files = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
         if missing_files:
             raise HFCheckpointError(f"{self.path}: incomplete shard set, missing "
                                     f"{', '.join(missing_files)} (listed in {INDEX})")
+        for file in sorted(set(weight_map.values()) - set(self.headers)):
+            self.headers[file] = _check_header(self.path / file)
+        for name, file in weight_map.items():
+            if name not in self.headers[file]:
+                raise HFCheckpointError(f"{self.path / INDEX}: tensor {name} is listed in "
+                                        f"{file}, which does not hold it")
         # a VL checkpoint exposes its text model under the plain causal-LM names
         self.weight_map = {}
         for name, file in weight_map.items():
@@ -56,7 +172,20 @@ class HFCheckpoint:
 
     @property
     def architectures(self) -> list[str]:
-        return list(self.config.get("architectures") or [])
+        archs = self.config.get("architectures")
+        if archs is None:
+            return []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise HFCheckpointError(f"{self.config_path}: architectures {archs!r} is not a "
+                                    "list of class names")
+        return archs
+
+    def model_types(self) -> set[str]:
+        """`model_type` of the config and of its text part (VL checkpoints)."""
+        text = self.config.get("text_config")
+        found = {self.config.get("model_type"), text.get("model_type")
+                 if isinstance(text, dict) else None}
+        return {t for t in found if isinstance(t, str)}
 
     def names(self) -> list[str]:
         return list(self.weight_map)
@@ -66,22 +195,42 @@ class HFCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise HFCheckpointError(f"{self.path}: tensor '{name}' is missing")
+        from safetensors import SafetensorError
+
         file, stored = self.weight_map[name]
-        with self._open(self.path / file, "pt") as f:
-            return f.get_tensor(stored)
+        try:
+            with self._open(self.path / file, "pt") as f:
+                return f.get_tensor(stored)
+        except SafetensorError as e:  # e.g. the file changed after it was checked
+            raise HFCheckpointError(f"{self.path / file}: tensor {stored}: {e}") from e
 
     def shape(self, name: str) -> tuple[int, ...]:
         file, stored = self.weight_map[name]
-        with self._open(self.path / file, "pt") as f:
-            return tuple(f.get_slice(stored).get_shape())
+        return tuple(self.headers[file][stored]["shape"])
 
-    def check(self, wmap: WeightMap, expected_architectures: tuple[str, ...]) -> None:
-        """Architecture, tensor set and every shape must match the registry entry."""
+    def check(self, wmap: WeightMap, expected_architectures: tuple[str, ...],
+              model_types: tuple[str, ...] = ()) -> None:
+        """Architecture, tensor set and every shape must match the registry entry.
+
+        A config.json without `architectures` passes only for a caller that named the model
+        (`model_types`: the model_type values of that registry entry) and a config whose
+        model_type is one of them."""
         archs = self.architectures
         if archs and not set(archs) & set(expected_architectures):
             raise HFCheckpointError(
                 f"{self.path}: architecture {archs} does not match model "
                 f"'{wmap.spec.name}' (expects {list(expected_architectures)})")
+        if not archs:
+            found = sorted(self.model_types())
+            if not model_types:
+                raise HFCheckpointError(f"{self.config_path}: no 'architectures' list, so the "
+                                        "model family is unknown")
+            if not set(found) & set(model_types):
+                raise HFCheckpointError(
+                    f"{self.config_path}: no 'architectures' list, and model_type "
+                    f"{found or 'missing'} does not confirm model '{wmap.spec.name}' "
+                    f"(expects architectures {list(expected_architectures)} or model_type "
+                    f"{list(model_types)})")
         expected = wmap.hf_shapes()
         skipped = ("model.visual",) + (() if wmap.spec.mtp_num_layers else ("mtp.",))
         have = {n for n in self.weight_map if not n.startswith(skipped)}

@@ -6,6 +6,9 @@ Layout of a run's checkpoint folder:
 A save writes `<dir>/.tmp-step_000012/`, checksums every file into manifest.json, then renames
 the folder; a folder without a manifest is never loaded. Holds model, optimizer, LR schedule,
 per-rank RNG states, step and any caller progress (e.g. the data cursor).
+
+A checkpoint folder is untrusted input: it must hold exactly the files its manifest lists, and
+it is read through `safe_io` (no pickled object beyond plain data is ever built).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
+import stat
 import time
 import zlib
 from collections.abc import Callable
@@ -56,8 +61,27 @@ def _gather_dict(local: dict[str, Any]) -> dict[str, Any]:
 
 
 def _files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.is_file() and p.name != MANIFEST)
+    """Every file of `folder` but the manifest (relative names, sorted)."""
+    return sorted(_entries(folder)[0])
+
+
+def _entries(folder: Path) -> tuple[list[str], list[str]]:
+    """(regular files but the manifest, problems): a checkpoint holds regular files only, so a
+    symlink or a device is reported, not followed."""
+    files, problems = [], []
+    for root, dirs, names in os.walk(folder):
+        for name in [*dirs, *names]:
+            path = Path(root) / name
+            rel = str(path.relative_to(folder))
+            mode = path.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                problems.append(f"{rel}: a symbolic link (checkpoints hold regular files only)")
+            elif stat.S_ISREG(mode):
+                if rel != MANIFEST:
+                    files.append(rel)
+            elif not stat.S_ISDIR(mode):
+                problems.append(f"{rel}: not a regular file")
+    return files, problems
 
 
 def _write_manifest(folder: Path, info: dict[str, Any]) -> None:
@@ -70,8 +94,43 @@ def _write_manifest(folder: Path, info: dict[str, Any]) -> None:
         _atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
 
 
+REQUIRED_KEYS = ("format_version", "files", "step", "model", "layout", "contents")
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest, checked for shape: a JSON object with every required key and a non-empty
+    `files` table of name -> {bytes, crc32}, each name a path inside the folder."""
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest ({e})") from e
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: unreadable manifest (not a JSON object)")
+    missing = [k for k in REQUIRED_KEYS if k not in manifest]
+    if missing:
+        raise CheckpointError(f"{path}: manifest lacks {', '.join(missing)}")
+    if type(manifest["format_version"]) is not int or manifest["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: manifest format {manifest['format_version']!r}, "
+                              f"expected {FORMAT_VERSION}")
+    files = manifest["files"]
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{path}: the manifest lists no files")
+    for name, meta in files.items():
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or name == MANIFEST:
+            raise CheckpointError(f"{path}: manifest entry {name!r} is not a file of the "
+                                  "checkpoint folder")
+        if (not isinstance(meta, dict) or type(meta.get("bytes")) is not int
+                or meta["bytes"] < 0 or not isinstance(meta.get("crc32"), str)
+                or not re.fullmatch(r"[0-9a-f]{8}", meta["crc32"])):
+            raise CheckpointError(f"{path}: manifest entry for {name} is not "
+                                  "{bytes: int, crc32: 8 hex digits}")
+    return manifest
+
+
 def verify_checkpoint(folder: Path, mode: str = "crc32") -> dict[str, Any]:
-    """Check that every file of the manifest is present and intact; return the manifest."""
+    """Check that the folder holds exactly the manifest's files, each intact; return the
+    manifest. Problems name the file."""
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder not found: {folder}")
     manifest_path = folder / MANIFEST
@@ -79,16 +138,16 @@ def verify_checkpoint(folder: Path, mode: str = "crc32") -> dict[str, Any]:
         hint = (" (it has megatron files, so the save was interrupted)"
                 if (folder / "metadata.json").exists() else " (not a checkpoint folder)")
         raise CheckpointError(f"{folder}: no {MANIFEST}{hint}")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from e
-    problems: list[str] = []
+    manifest = _read_manifest(manifest_path)
+    files = manifest["files"]
+    present, problems = _entries(folder)
+    problems += [f"{name}: not listed in the manifest" for name in present if name not in files]
+    have = set(present)
     for name, meta in files.items():
         path = folder / name
-        if not path.is_file():
-            problems.append(f"{name}: missing")
+        if name not in have:
+            if not path.is_symlink():  # a symlink is reported by _entries already
+                problems.append(f"{name}: missing")
         elif path.stat().st_size != meta["bytes"]:
             problems.append(f"{name}: {path.stat().st_size} bytes, expected {meta['bytes']} "
                             "(truncated?)")
@@ -314,10 +373,20 @@ def load_checkpoint(actor, path: str | Path, *, optimizer: bool = True, rng: boo
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_rl.checkpoint.safe_io import (
+        METADATA_FILE,
+        load_dcp_metadata,
+        restricted_megatron_reads,
+        unwrap_dcp_error,
+    )
 
     folder = resolve_checkpoint(path)
     manifest = verify_checkpoint(folder, verify)
-    contents = manifest.get("contents", ["model", "optimizer", "scheduler", "rng", "progress"])
+    # a refusal here names file and class; inside megatron's load DCP would wrap it
+    load_dcp_metadata(folder / METADATA_FILE)
+    contents = manifest["contents"]
     optimizer = optimizer and "optimizer" in contents  # e.g. a model converted from HF
     rng = rng and "rng" in contents
     same_layout = manifest.get("layout") == _layout(actor)
@@ -328,10 +397,17 @@ def load_checkpoint(actor, path: str | Path, *, optimizer: bool = True, rng: boo
     if optimizer:
         state["optimizer"], common = _optimizer_state(actor, state["model"], loading=True)
     try:
-        # megatron's naming: "unexpected" = asked for but absent from the checkpoint
-        loaded, _extra_in_ckpt, absent = dist_checkpointing.load(
-            state, str(folder), strict=StrictHandling.RETURN_ALL)
-    except Exception as e:  # megatron raises many types; name the folder
+        # the checkpoint is untrusted input: nothing in it is unpickled beyond plain data
+        with restricted_megatron_reads():
+            # megatron's naming: "unexpected" = asked for but absent from the checkpoint
+            loaded, _extra_in_ckpt, absent = dist_checkpointing.load(
+                state, str(folder), strict=StrictHandling.RETURN_ALL)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # megatron raises many types; name the folder
+        cause = unwrap_dcp_error(e)
+        if isinstance(cause, CheckpointError):
+            raise cause from e
         raise CheckpointError(f"cannot load {folder}: {type(e).__name__}: {e}") from e
     # `_extra_state` (TE's FP8 scaling history; None for local layers) may be absent, e.g.
     # from an HF import: modules then keep their freshly built state
