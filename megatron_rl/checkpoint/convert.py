@@ -30,7 +30,7 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def import_hf(hf_dir: str, out_dir: str, model_name: str, dtype: str = "fp32",
+def import_hf(hf_dir: str, out_dir: str, model_name: str | ModelSpec, dtype: str = "fp32",
               progress: bool = True) -> dict[str, Any]:
     """HF folder → model-only torch_dist checkpoint, one tensor in memory at a time.
 
@@ -45,7 +45,7 @@ def import_hf(hf_dir: str, out_dir: str, model_name: str, dtype: str = "fp32",
     from megatron_rl.models.registry import get_model_spec
 
     t0 = time.time()
-    spec = get_model_spec(model_name)
+    spec = model_name if isinstance(model_name, ModelSpec) else get_model_spec(model_name)
     wmap = WeightMap(spec)
     hf = HFCheckpoint(hf_dir)
     hf.check(wmap, (HF_CLASSES[spec.architecture][1], *_vl_names(spec)), _model_types(spec))
@@ -183,7 +183,8 @@ def _model_types(spec: ModelSpec) -> tuple[str, ...]:
     return (text, "qwen3_5_moe") if spec.architecture == "qwen3_5_moe" else (text,)
 
 
-def export_hf(ckpt_dir: str, out_dir: str, model_name: str, tokenizer_dir: str | None = None,
+def export_hf(ckpt_dir: str, out_dir: str, model_name: str | ModelSpec,
+              tokenizer_dir: str | None = None,
               dtype: str | None = None, max_shard_bytes: int = 2 << 30,
               overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
     """torch_dist checkpoint → HF folder, one layer in memory at a time. One process, no
@@ -195,7 +196,7 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str, tokenizer_dir: str |
     from megatron_rl.models.registry import get_model_spec
 
     t0 = time.time()
-    spec = get_model_spec(model_name)
+    spec = model_name if isinstance(model_name, ModelSpec) else get_model_spec(model_name)
     wmap = WeightMap(spec)
     src = resolve_checkpoint(ckpt_dir)
     manifest = verify_checkpoint(src)
