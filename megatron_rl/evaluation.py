@@ -99,7 +99,9 @@ async def evaluate_prompts(agent: Any, engine: Any, score: Any, prompts: list[An
     from megatron_rl.rewards.taxonomy import taxonomy_metrics
 
     trajs = list(await asyncio.gather(*(
-        agent.run(p.question, p.answer, engine, group_id=p.uid, uid=p.uid) for p in prompts)))
+        agent.run(p.question, p.answer, engine, group_id=p.uid, uid=p.uid,
+                  **({"messages": p.messages} if getattr(p, "messages", None) else {}))
+        for p in prompts)))
     await score(trajs)
     return {f"{prefix}/{k.split('/', 1)[-1]}": v for k, v in taxonomy_metrics(trajs).items()
             if k.startswith(("rollout/", "reward/"))}

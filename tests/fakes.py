@@ -120,8 +120,13 @@ class DictVisit(_PagesTool):
         return ToolResult(ok=True, content=f"{page[0]}\n{page[1]}")
 
 
-def tool_call_text(name: str, **arguments: Any) -> str:
-    """A Qwen3-format tool call, as a policy would write it."""
+def tool_call_text(name: str, family: str = "qwen3", **arguments: Any) -> str:
+    """A tool call in the family's format, as a policy would write it (Qwen3's JSON with ASCII
+    escapes, so any value, a lone surrogate too, survives tokenizing)."""
+    if family != "qwen3":
+        from megatron_rl.agents.formats import chat_family
+
+        return chat_family(family).tool_call(name, arguments)
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
 

@@ -11,7 +11,7 @@ import pytest
 from megatron_rl.agents import Agent, AgentConfig, ReActAgent, RetryAgent, for_eval
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 from megatron_rl.engines.base import EngineError, SamplingParams
-from megatron_rl.env.base import ToolResult
+from megatron_rl.env.base import ToolResult, tool_spec
 from megatron_rl.records.trajectory import Trajectory
 from tests.fakes import (
     DEMO_PAGES,
@@ -230,3 +230,24 @@ def test_engine_failures_propagate_and_bad_configs_are_refused() -> None:
         AgentConfig(max_context_tokens=100, sampling=SamplingParams(max_new_tokens=100))
     with pytest.raises(ValueError, match="max_turns=0"):
         AgentConfig(max_turns=0)
+
+
+def test_qwen3_5_calls_run_too_and_retry_keeps_the_data_chat() -> None:
+    # a model may write Qwen3.5's XML calls whatever its template: they parse and run
+    script = [call("search", family="qwen3_5", query="capital France"),
+              call("visit", family="qwen3_5", url=PARIS), ANSWER]
+    traj, engine = episode(script)
+    assert [[(c.name, c.arguments, c.error) for c in t.tool_calls] for t in traj.turns] == [
+        [("search", {"query": "capital France"}, None)], [("visit", {"url": PARIS}, None)], []]
+    assert traj.answer == "Paris" and traj.labels == []
+    assert_chained(traj, engine)
+    # every attempt of an eval retry starts from the data's chat
+    chat = [{"role": "system", "content": "Data system."}, {"role": "user", "content": QUESTION}]
+    tools = [DictSearch(DEMO_PAGES)]
+    engine = ScriptedEngine(TOK, ["I think it is Paris.", ANSWER])
+    agent = RetryAgent(ReActAgent(TOK, tools), retries=1)
+    traj = asyncio.run(agent.run(QUESTION, None, engine, group_id="g", uid="u", messages=chat))
+    assert traj.answer == "Paris" and traj.metadata["attempts"] == 2
+    first = TOK.apply_chat_template(chat, tools=[tool_spec(t) for t in tools],
+                                    add_generation_prompt=True, return_dict=False)
+    assert [r.input_ids for r in engine.requests] == [first, first]

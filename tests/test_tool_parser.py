@@ -295,3 +295,163 @@ def test_any_argument_values_give_a_bounded_call_or_a_labelled_failure() -> None
     print(f"\nargument cases: {dict(seen)}")
     assert {"non-finite or non-Unicode", "too deep", "too long", "valid",
             "schema error"} <= set(seen)
+
+
+# -- Qwen3.5's XML call syntax -------------------------------------------------------------------
+
+def xml(name: str, **params: str) -> str:
+    """A Qwen3.5 call with raw parameter texts, as the model writes them."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_qwen3_5_calls_parse_with_values_typed_by_the_schema() -> None:
+    text = ("<think>two lookups</think>\n\n" + xml("lookup", k="3", mode="a", tags='["x", "y"]')
+            + "\n" + xml("search", query="1889\n  two lines ") + "<|im_end|>")
+    act = parse_action(text, SCHEMAS)
+    assert act.kind == "tool_calls" and not act.errors
+    # integer and array parameters are JSON; a string stays text, "1889" and newlines included
+    assert [(c.name, c.arguments) for c in act.calls] == [
+        ("lookup", {"k": 3, "mode": "a", "tags": ["x", "y"]}),
+        ("search", {"query": "1889\n  two lines "})]
+    # several functions in one block, an unclosed final </tool_call>, no newlines at all
+    act = parse_action("<tool_call><function=visit><parameter=url>u</parameter></function>"
+                       "<function=search><parameter=query>q</parameter></function>", SCHEMAS)
+    assert [(c.name, c.arguments) for c in act.calls] == [("visit", {"url": "u"}),
+                                                          ("search", {"query": "q"})]
+    # the released template writes booleans with Python's str(); JSON's are read as well
+    schemas = {"flag": {"type": "object", "properties": {"on": {"type": "boolean"},
+                                                         "opts": {"type": "object"}}}}
+    for raw, want in (("True", True), ("false", False)):
+        (c,) = parse_action(xml("flag", on=raw, opts='{"a": [1, 2.5]}'), schemas).calls
+        assert c.error is None and c.arguments == {"on": want, "opts": {"a": [1, 2.5]}}
+    # a typed value that is not JSON stays text: the schema check names the problem
+    (c,) = parse_action(xml("lookup", k="three"), SCHEMAS).calls
+    assert c.error == "tool_parse_error" and "must be integer" in c.observation
+    # both syntaxes in one message
+    assert [c.name for c in parse_action(call("visit", url="u") + xml("search", query="q"),
+                                         SCHEMAS).calls] == ["visit", "search"]
+
+
+def test_malformed_qwen3_5_calls_are_labelled_never_raised() -> None:
+    p = "<parameter=query>\nq\n</parameter>\n"
+    cases = {
+        f"<tool_call>\n<function=search>\n{p}</tool_call>":
+            "<function=search> has no closing </function>",
+        f"<tool_call>\n<function=search>\n{p}":  # cut: neither closing tag
+            "<function=search> has no closing </function>",
+        "<tool_call>\n<function=search>\n<parameter=query>\nq\n</function>\n</tool_call>":
+            "<parameter=query> in <function=search> has no closing </parameter>",
+        f"<tool_call>\n<function=search>\n{p}{p}</function>\n</tool_call>":
+            "parameter 'query' given twice in <function=search>",
+        "<tool_call>\n<function=>\n</function>\n</tool_call>": "missing tool name",
+        "<tool_call>\n<function=search\n</function>\n</tool_call>":
+            "a <function=NAME> tag without its closing '>'",
+        "<tool_call>\n<function=search>\n<parameter=query\nq</parameter></function>":
+            "a <parameter=KEY> tag in <function=search> without its closing '>'",
+        "<tool_call>\n<function=search>\n<parameter=>\nq\n</parameter></function>":
+            "a <parameter=> without a name",
+        f"<tool_call>\n<function=search>\nnow {p}</function>\n</tool_call>":
+            "unexpected text in <function=search>: 'now <parameter=query>",
+        f"<tool_call>\nsure: <function=search>\n{p}</function>\n</tool_call>":
+            "unexpected text before <function=NAME>",
+        f"<tool_call>\n<function=browse>\n{p}</function>\n</tool_call>": "unknown tool 'browse'",
+        xml("search", q="x"): "unknown argument(s) ['q']",
+        xml("lookup", mode="a"): "missing required argument(s) ['k']",
+        xml("lookup", k="-1"): "must be >= 0",
+    }
+    for text, message in cases.items():
+        act = parse_action(text, SCHEMAS)
+        assert act.kind == "parse_error", text
+        (bad,) = act.calls
+        assert bad.error == "tool_parse_error" and message in bad.observation, bad.observation
+    # a good call before a broken one in the same block is kept
+    act = parse_action(f"<tool_call><function=visit><parameter=url>u</parameter></function>"
+                       f"<function=search>{p}", SCHEMAS)
+    assert [(c.name, c.error) for c in act.calls] == [("visit", None),
+                                                      ("search", "tool_parse_error")]
+
+
+SCORE = {**SCHEMAS, "score": {"type": "object", "properties": {
+    "x": {"type": "number"}, "xs": {"type": "array", "items": {"type": "number"}},
+    "opts": {"type": "object"}}}}
+
+
+def test_qwen3_5_calls_keep_the_argument_bounds() -> None:
+    def one(text: str) -> Any:
+        (c,) = parse_action(text, SCORE).calls
+        assert c.error == "tool_parse_error" and c.arguments == {}, c
+        json.dumps(c.to_dict(), allow_nan=False)
+        return c.observation
+
+    deep = json.dumps(_wrap(1, MAX_ARGUMENT_DEPTH, False))  # an object 16 levels below args
+    assert "argument 'opts' nests deeper than 16 levels" in one(xml("score", opts=deep))
+    ok = json.dumps(_wrap(1, MAX_ARGUMENT_DEPTH - 1, False))
+    assert parse_action(xml("score", opts=ok), SCORE).kind == "tool_calls"
+    for literal, shown in (("NaN", "NaN"), ("1e999", "Infinity"), ("-Infinity", "-Infinity")):
+        assert f"argument 'x' is {shown}: JSON numbers must be finite" in one(
+            xml("score", x=literal))
+    assert "argument 'xs[1]' is NaN" in one(xml("score", xs="[1, NaN]"))
+    n = MAX_ARGUMENT_CHARS  # {"query": "x…"} is 13 characters more than the text
+    assert parse_action(xml("search", query="x" * (n - 13)), SCHEMAS).kind == "tool_calls"
+    assert f"arguments are {n + 1} characters as JSON" in one(xml("search", query="x" * (n - 12)))
+    assert "longer than 16384" in one(xml("search", query="x" * 17_000))
+    assert "not valid Unicode text" in one(xml("search", query="a\ud800b"))
+    assert "not valid Unicode text" in one(xml("score", opts='{"a": "\\ud800"}'))
+    assert "not valid text" in one(xml("search", **{"\udc00": "x"}))
+    assert "must be integer" in parse_action(xml("lookup", k="9" * 5000), SCHEMAS
+                                             ).calls[0].observation  # kept as text, not int()
+    (c,) = parse_action(xml("se\ud800"), SCHEMAS).calls
+    assert c.name == "" and "unknown tool 'se\\ud800'" in c.observation
+    # at most MAX_CALLS_PER_BLOCK functions per block, like a JSON list
+    many = "<tool_call>" + "<function=visit><parameter=url>u</parameter></function>" * 40
+    assert len(parse_action(many, SCHEMAS).calls) == 32
+
+
+def test_qwen3_5_parsing_is_linear_in_the_block() -> None:
+    # thousands of unclosed tags in a block at the size limit: one forward scan, not a regex
+    for body in ("<parameter=q>" * 1200, "<function=search>" + "<parameter=a>x</parameter>" * 600
+                 + "<parameter=z>"):
+        text = "<tool_call>" + body[:16_000]
+        t0 = time.perf_counter()
+        act = parse_action(text, SCHEMAS)
+        assert act.kind == "parse_error" and time.perf_counter() - t0 < 0.5
+
+
+XML_FRAGMENTS = ["<function=", "</function>", "<parameter=", "</parameter>", ">", "\n", "search",
+                 "query", "k", "3", "[1, 2]", '{"a": 1}', "NaN", "True", "<tool_call>",
+                 "</tool_call>", "<|im_end|>", "</think>", "\ud800", " "]
+
+
+def mutated_xml(seed: bytes) -> str:
+    """1-3 Qwen3.5 blocks built from valid calls, then damaged like `mutated_calls`."""
+    rng = random.Random(seed)
+    blocks = []
+    for _ in range(rng.randint(1, 3)):
+        name, args = rng.choice(GOOD_ARGS)
+        params = {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()}
+        if rng.random() < 0.4:
+            params[rng.choice(["query", "url", "k", "mode", "tags", "q"])] = rng.choice(
+                ["", "NaN", "1e999", "[" * 30, '"\\ud800"', "x" * 300, "-1", "True", "null"])
+        body = xml(name, **params)
+        for _ in range(rng.choice([0, 0, 1, 2, 4])):
+            i = rng.randrange(len(body) + 1)
+            op = rng.random()
+            body = (body[:i] + body[i + 1:] if op < 0.4 else
+                    body[:i] + rng.choice(XML_FRAGMENTS) + body[i:] if op < 0.8 else body[:i])
+        blocks.append(body)
+    return rng.choice(["", "<think>plan</think>\n", "<think>"]) + "\n".join(blocks)
+
+
+def test_fuzz_qwen3_5_calls_never_raise_and_always_classify() -> None:
+    seen: Counter[str] = Counter()
+
+    @settings(max_examples=2_000, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(st.binary(min_size=8, max_size=8))
+    def fuzz(seed: bytes) -> None:
+        seen[check_action(mutated_xml(seed))] += 1
+
+    fuzz()
+    print(f"\nfuzzed {sum(seen.values())} Qwen3.5 outputs: {dict(seen)}")
+    assert {"tool_calls", "parse_error", "none"} <= set(seen)

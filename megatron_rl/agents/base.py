@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from megatron_rl.agents.chat import ChatFormat
-from megatron_rl.agents.tool_parser import Action, parse_action
+from megatron_rl.agents.formats import CHOICES as CHAT_FORMATS
+from megatron_rl.agents.tool_parser import Action, parse_action, visible_text
 from megatron_rl.engines.base import (
     EngineError,
     GenerateRequest,
@@ -52,6 +53,9 @@ class AgentConfig:
     degenerate_check: Callable[[str], bool] | None = is_degenerate
     discard_all: bool = False             # eval only: on overflow restart from the question
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
+    # the model family's chat format (formats.py): auto (from the chat template), qwen3,
+    # qwen3_5, or a model architecture (qwen3_moe, qwen3_5_moe, …)
+    chat_format: str = "auto"
     return_routed_experts: bool = False   # MoE routing replay: keep the engine's routing per turn
     # reproducible rollouts: each request's sampling seed derives from it and the request id
     seed: int | None = None
@@ -68,20 +72,28 @@ class AgentConfig:
         if self.sampling.max_new_tokens >= self.max_context_tokens:
             raise ValueError(f"sampling.max_new_tokens={self.sampling.max_new_tokens} leaves no "
                              f"room for a prompt in max_context_tokens={self.max_context_tokens}")
+        if self.chat_format not in CHAT_FORMATS:
+            raise ValueError(f"AgentConfig.chat_format={self.chat_format!r}: expected one of "
+                             f"{', '.join(CHAT_FORMATS)}")
 
 
 # A session's committed prefix and the agent's loop state after it (the rollout forest's node)
 Resume = tuple[Trajectory, dict[str, Any]]
 # called after every finished message with the trajectory so far and the loop state to resume at
 Commit = Callable[[Trajectory, dict[str, Any]], None]
+# the data's own chat (`Prompt.messages`): [{"role": ..., "content": ...}, ...]
+Messages = Sequence[Mapping[str, Any]]
 
 
 @runtime_checkable
 class Agent(Protocol):
     async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
                   group_id: str, uid: str, resume: Resume | None = None,
-                  commit: Commit | None = None) -> Trajectory:
-        """Run an episode, or continue one from `resume` (a prefix an earlier `commit` saw)."""
+                  commit: Commit | None = None, messages: Messages | None = None
+                  ) -> Trajectory:
+        """Run an episode, or continue one from `resume` (a prefix an earlier `commit` saw).
+        With `messages` (the data's chat) the first context is that chat rendered by the chat
+        template instead of the agent's own system prompt + question."""
         ...
 
 
@@ -117,7 +129,8 @@ class BaseAgent:
 
     def __init__(self, tokenizer: Any, tools: Sequence[Tool], config: AgentConfig | None = None):
         self.config = config or AgentConfig()
-        self.chat = ChatFormat(tokenizer, chat_template_kwargs=self.config.chat_template_kwargs)
+        self.chat = ChatFormat(tokenizer, chat_template_kwargs=self.config.chat_template_kwargs,
+                               family=self.config.chat_format)
         self.tools: dict[str, Tool] = {t.name: t for t in tools}
         self.specs = [tool_spec(t) for t in tools]
         self.schemas = {t.name: t.parameters for t in tools}
@@ -192,7 +205,11 @@ class BaseAgent:
             context = context + list(res.output_ids)
 
     def parse(self, text: str) -> Action:
-        return parse_action(text, self.schemas)
+        # an output that starts inside the prompt's open think block acts only after `</think>`
+        return parse_action(self.chat.think_prefix + text, self.schemas)
+
+    def visible(self, text: str) -> str:
+        return visible_text(self.chat.think_prefix + text)
 
     async def act(self, traj: Trajectory, msg: Message, step: int
                   ) -> tuple[list[ToolCall], bool] | None:

@@ -1,11 +1,13 @@
-"""Qwen3-style ChatML prompts, token in, token out.
+"""ChatML prompts (Qwen3, Qwen3.5), token in, token out.
 
-The first context of an episode is the tokenizer's chat template (a system prompt that lists the
-tools in Qwen3's `<tools>…</tools>` block, then the user question) rendered and tokenized once.
-After that nothing is ever re-tokenized: each turn appends exactly the ids the engine produced,
-then the observation (a Qwen3 tool-response turn) tokenized on its own. So the context of turn
-k+1 is byte-for-byte the context, output and observation of turn k, and the trainer sees the
-very tokens that were sampled.
+The first context of an episode is the tokenizer's chat template (a system prompt, the tools in
+the template's `<tools>…</tools>` block, then the user question; or the data's own chat)
+rendered and tokenized once. After that nothing is ever re-tokenized: each turn appends exactly
+the ids the engine produced, then the observation (a tool-response turn in the model family's
+format, `formats.py`) tokenized on its own. So the context of turn k+1 is byte-for-byte the
+context, output and observation of turn k, and the trainer sees the very tokens that were
+sampled, even where re-rendering the history would differ (templates that drop earlier `<think>`
+blocks).
 
 Text that does not come from us (questions, pages, search results, summaries) is escaped so it
 can never contain a special or added token of the tokenizer (`<|im_end|>`, `<tool_call>`,
@@ -19,8 +21,10 @@ is fed.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from megatron_rl.agents.formats import ChatFamily, chat_family
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -34,12 +38,14 @@ class UnsafeTextError(AssertionError):
 
 
 class ChatFormat:
-    """Tokenizer-bound prompt building for Qwen3's ChatML (also any ChatML tokenizer whose chat
-    template takes `tools`)."""
+    """Tokenizer-bound prompt building for ChatML chat templates that take `tools` (Qwen3,
+    Qwen3.5); `family` (`auto`: from the template) says how tool responses are written."""
 
-    def __init__(self, tokenizer: Any, *, chat_template_kwargs: dict[str, Any] | None = None):
+    def __init__(self, tokenizer: Any, *, chat_template_kwargs: dict[str, Any] | None = None,
+                 family: str | ChatFamily = "auto"):
         self.tokenizer = tokenizer
         self.template_kwargs = dict(chat_template_kwargs or {})
+        self.family = chat_family(family, tokenizer) if isinstance(family, str) else family
         ids = tokenizer.convert_tokens_to_ids([IM_START, IM_END])
         unk = getattr(tokenizer, "unk_token_id", None)
         if any(i is None or i == unk for i in ids):
@@ -51,7 +57,14 @@ class ChatFormat:
             added.setdefault(i, tokenizer.convert_ids_to_tokens(i))
         self.protected_ids: frozenset[int] = frozenset(added)
         self._protected = sorted({s for s in added.values() if s}, key=len, reverse=True)
+        special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+        # the tokens that delimit turns: what the data's own system/assistant text may not hold
+        self._special = sorted({s for s in special | set(tokenizer.all_special_tokens) if s},
+                               key=len, reverse=True)
         self.generation_prompt = self._generation_prompt()
+        # Qwen3.5's generation prompt opens the think block: the output starts inside it
+        gp = self.generation_prompt
+        self.think_prefix = "<think>" if gp.rfind("<think>") > gp.rfind("</think>") else ""
         self.truncated_ids = self.encode(TRUNCATED)
         # no vocabulary token spans more characters: text longer than max_tokens * this always
         # has more than max_tokens tokens, so clip() may drop the rest before tokenizing
@@ -76,8 +89,9 @@ class ChatFormat:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def escape(self, text: str) -> str:
-        """Break every literal occurrence of a special/added token in untrusted text.
+    def escape(self, text: str, tokens: Sequence[str] | None = None) -> str:
+        """Break every literal occurrence of a special/added token in untrusted text (of
+        `tokens`, longest first, when given).
 
         `<|im_end|>` becomes `&lt;|im_end|>` (readable, and no token matches it any more);
         tokens that do not start with `<` get a zero-width space after their first character.
@@ -89,7 +103,7 @@ class ChatFormat:
         except UnicodeEncodeError:
             text = _SURROGATE.sub("\ufffd", text)
         for _ in range(8):
-            found = [s for s in self._protected if s in text]
+            found = [s for s in (self._protected if tokens is None else tokens) if s in text]
             if not found:
                 return text
             for s in found:
@@ -180,9 +194,37 @@ class ChatFormat:
                                                   **self.template_kwargs)
         return self.encode(text)
 
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], system: str = "",
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The first context from the data's own chat (verl's `prompt` column), rendered by the
+        template as the data says it.
+
+        - `system` (the agent's own prompt) is put first only when the chat has no system
+          message: the data's system prompt wins.
+        - `tools` are passed to the template unless the chat's system prompt already defines
+          them (holds a `<tools>` block): the data's own definitions, not a second list.
+        - User and tool turns are untrusted like a question (`safe_text`); system and assistant
+          turns are the data's instructions and demonstrations: they keep tool and think tags,
+          only turn-delimiting tokens (`<|im_end|>`, …) are broken.
+        Only `role` and `content` are used.
+        """
+        msgs = [{"role": str(m["role"]), "content": (
+            self.safe_text(str(m["content"])) if m["role"] in ("user", "tool")
+            else self.escape(str(m["content"]), self._special))} for m in messages]
+        if system and (not msgs or msgs[0]["role"] != "system"):
+            msgs.insert(0, {"role": "system", "content": system})
+        if msgs and msgs[0]["role"] == "system" and "<tools>" in msgs[0]["content"]:
+            tools = None
+        text = self.tokenizer.apply_chat_template(msgs, tools=tools or None,
+                                                  add_generation_prompt=True, tokenize=False,
+                                                  **self.template_kwargs)
+        return self.encode(text)
+
     def tool_response(self, content: str, max_tokens: int | None = None) -> list[int]:
-        """One `<tool_response>` block (Qwen3 template: newline, tags on their own lines)."""
-        return (self.encode("\n<tool_response>\n") + self.safe_ids(content, max_tokens)
+        """One `<tool_response>` block (both families: newline, tags on their own lines; the
+        content as the family's template writes it, then escaped and clipped)."""
+        return (self.encode("\n<tool_response>\n")
+                + self.safe_ids(self.family.response_content(content), max_tokens)
                 + self.encode("\n</tool_response>"))
 
     def observation_ids(self, output_ids: Sequence[int], contents: Sequence[str],

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from megatron_rl.agents.base import Agent, BaseAgent
+from megatron_rl.agents.base import Agent, BaseAgent, Messages
 from megatron_rl.engines.base import RolloutEngine
 from megatron_rl.records.trajectory import Trajectory
 
@@ -29,11 +29,12 @@ class RetryAgent:
         self.agent, self.retries = agent, retries
 
     async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
-                  group_id: str, uid: str) -> Trajectory:
+                  group_id: str, uid: str, messages: Messages | None = None) -> Trajectory:
         failed: list[str] = []
+        chat = {"messages": messages} if messages else {}  # agents without `messages` still work
         for attempt in range(self.retries + 1):
             traj = await self.agent.run(question, reference, engine, group_id=group_id,
-                                        uid=f"{uid}~{attempt}" if attempt else uid)
+                                        uid=f"{uid}~{attempt}" if attempt else uid, **chat)
             traj.uid = uid
             if traj.answer is not None or attempt == self.retries:
                 break

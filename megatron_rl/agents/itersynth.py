@@ -9,6 +9,10 @@ Step t:
 Every engine call starts from a fresh prompt, so each turn is its own training sequence; the
 role (`planner` / `synthesizer`) is recorded on every turn. Contexts stay bounded by the
 summary's length, so no context management is needed. `max_turns` counts planner steps.
+
+With the data's own chat (`messages`), every Planner context is that chat (its system prompt,
+else the Planner's) with the notes appended to its last user turn; the Synthesizer keeps its own
+prompt (the data's instructions are for the acting role).
 """
 
 from __future__ import annotations
@@ -17,8 +21,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_rl.agents.base import AgentConfig, BaseAgent, Commit, Resume
-from megatron_rl.agents.tool_parser import visible_text
+from megatron_rl.agents.base import AgentConfig, BaseAgent, Commit, Messages, Resume
 from megatron_rl.engines.base import RolloutEngine
 from megatron_rl.env.base import Tool
 from megatron_rl.records.trajectory import ToolCall, Trajectory
@@ -44,10 +47,24 @@ class IterSynthAgent(BaseAgent):
         self.planner_prompt = planner_prompt
         self.synthesizer_prompt = synthesizer_prompt
 
-    def planner_context(self, question: str, summary: str) -> list[int]:
+    def planner_context(self, question: str, summary: str,
+                        messages: Messages | None = None) -> list[int]:
+        if messages:
+            return self.chat.chat_ids(self._with_notes(messages, summary), self.planner_prompt,
+                                      self.specs)
         safe = self.chat.safe_text
         user = f"Question: {safe(question)}\n\nNotes so far:\n{safe(summary) or NO_NOTES}"
         return self.chat.prompt_ids(self.planner_prompt, user, self.specs)
+
+    @staticmethod
+    def _with_notes(messages: Messages, summary: str) -> list[dict[str, Any]]:
+        """The data's chat, its last user turn followed by the notes (escaped with it)."""
+        msgs = [dict(m) for m in messages]
+        last = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=None)
+        if last is not None:
+            msgs[last]["content"] = (f"{msgs[last]['content']}\n\nNotes so far:\n"
+                                     f"{summary or NO_NOTES}")
+        return msgs
 
     def synthesizer_context(self, question: str, summary: str, calls: list[ToolCall]) -> list[int]:
         safe, limit = self.chat.safe_text, self.config.max_observation_tokens
@@ -61,14 +78,15 @@ class IterSynthAgent(BaseAgent):
 
     async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
                   group_id: str, uid: str, resume: Resume | None = None,
-                  commit: Commit | None = None) -> Trajectory:
+                  commit: Commit | None = None, messages: Messages | None = None
+                  ) -> Trajectory:
         cfg = self.config
         traj, state = self.start(question, reference, group_id, uid, resume)
         summary = state.get("summary", "")
         summaries: list[str] = traj.metadata.setdefault("summaries", [])
         for step in range(state.get("step", 0), cfg.max_turns):
-            plan = await self.message(engine, traj, self.planner_context(question, summary),
-                                      "planner")
+            plan = await self.message(
+                engine, traj, self.planner_context(question, summary, messages), "planner")
             acted = await self.act(traj, plan, step)
             if acted is None:
                 break
@@ -81,7 +99,7 @@ class IterSynthAgent(BaseAgent):
             if self.parse(synth.text).kind != "none":  # the Synthesizer may only write notes
                 traj.add_label("tool_parse_error", synth.turns[-1])
             else:
-                summary = visible_text(synth.text).strip()
+                summary = self.visible(synth.text).strip()
             summaries.append(summary)
             if not within_budget:
                 break

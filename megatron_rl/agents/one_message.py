@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.agents.base import BaseAgent, Commit, Resume
+from megatron_rl.agents.base import BaseAgent, Commit, Messages, Resume
 from megatron_rl.engines.base import GenerateRequest, RolloutEngine
 from megatron_rl.records.trajectory import Trajectory, Turn
 
@@ -15,11 +15,13 @@ class OneMessageAgent(BaseAgent):
 
     async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
                   group_id: str, uid: str, resume: Resume | None = None,
-                  commit: Commit | None = None) -> Trajectory:
+                  commit: Commit | None = None, messages: Messages | None = None
+                  ) -> Trajectory:
         traj, _ = self.start(question, reference, group_id, uid, resume)
         if traj.turns:  # its one message was committed before a cut
             return traj
-        context = self.chat.prompt_ids("", self.chat.safe_text(question))
+        context = (self.chat.chat_ids(messages) if messages
+                   else self.chat.prompt_ids("", self.chat.safe_text(question)))
         rid = f"{uid}/0"
         res = await engine.generate(GenerateRequest(
             rid, context, self.sampling_for(rid),

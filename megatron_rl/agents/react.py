@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_rl.agents.base import AgentConfig, BaseAgent, Commit, Resume
+from megatron_rl.agents.base import AgentConfig, BaseAgent, Commit, Messages, Resume
 from megatron_rl.engines.base import RolloutEngine
 from megatron_rl.env.base import Tool
 from megatron_rl.records.trajectory import Trajectory
@@ -31,15 +31,18 @@ class ReActAgent(BaseAgent):
         super().__init__(tokenizer, tools, config)
         self.system_prompt = system_prompt
 
-    def first_context(self, question: str) -> list[int]:
+    def first_context(self, question: str, messages: Messages | None = None) -> list[int]:
+        if messages:  # the data's chat (its system prompt, else ours)
+            return self.chat.chat_ids(messages, self.system_prompt, self.specs)
         return self.chat.prompt_ids(self.system_prompt, self.chat.safe_text(question), self.specs)
 
     async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
                   group_id: str, uid: str, resume: Resume | None = None,
-                  commit: Commit | None = None) -> Trajectory:
+                  commit: Commit | None = None, messages: Messages | None = None
+                  ) -> Trajectory:
         cfg = self.config
         traj, state = self.start(question, reference, group_id, uid, resume)
-        first = self.first_context(question)
+        first = self.first_context(question, messages)
         context = state.get("context", first)
         for step in range(state.get("step", 0), cfg.max_turns):
             msg = await self.message(engine, traj, context, self.role)

@@ -1,4 +1,11 @@
-"""Actions from model text: `<tool_call>{json}</tool_call>` blocks or a final `<answer>…</answer>`.
+"""Actions from model text: `<tool_call>` blocks or a final `<answer>…</answer>`.
+
+A block holds a call in either family's syntax (`formats.py`), whatever the model: Qwen3's JSON
+`{"name": …, "arguments": {…}}`, or Qwen3.5's XML `<function=NAME>` with one
+`<parameter=KEY>\\nVALUE\\n</parameter>` per argument, where VALUE is text for a string
+parameter of the tool's schema and JSON text otherwise (numbers, lists, objects, booleans; the
+released template writes `True`/`False`, read as well). An XML call with a missing closing tag,
+a repeated parameter or stray text is a labelled `tool_parse_error`.
 
 The parser never raises: whatever a policy writes, `parse_action` returns one of
   - "answer": the text inside `<answer>` (it wins over tool calls in the same message),
@@ -191,12 +198,105 @@ def _call(item: Any, schemas: Mapping[str, dict[str, Any]]) -> ToolCall:
     return ToolCall(name=name, arguments=args)
 
 
+_XML_TYPES = {"integer", "number", "boolean", "array", "object", "null"}
+
+
+def _xml_value(raw: str, prop: Any) -> Any:
+    """An XML parameter's value: text for a string (or untyped) parameter, else its JSON."""
+    kind = prop.get("type") if isinstance(prop, dict) else None
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    if "string" in kinds or not kinds & _XML_TYPES:
+        return raw
+    text = raw.strip()
+    if "boolean" in kinds and text in ("True", "False"):  # the template's `value | string`
+        return text == "True"
+    if "null" in kinds and text == "None":
+        return None
+    try:
+        return json.loads(text, parse_int=_int_or_text)
+    except (ValueError, RecursionError):
+        return raw  # the schema check says what is wrong with it
+
+
+def _tag(kind: str, name: str) -> str:
+    shown = repr(name)[1:-1]  # repr: a lone surrogate stays an escape, never a raw character
+    return f"<{kind}={shown if len(shown) <= 40 else shown[:40] + '…'}>"
+
+
+def _xml_function(raw: str, pos: int) -> tuple[str, dict[str, str], int] | str:
+    """One `<function=NAME>…</function>` starting at `pos`: (name, raw parameters, end), or why
+    it is malformed. Scans forward only (str.find), so any block is read in linear time."""
+    end = raw.find(">", pos)
+    name = raw[pos + len("<function="):end] if end != -1 else ""
+    if end == -1 or "\n" in name or "<" in name:
+        return "a <function=NAME> tag without its closing '>'"
+    name = name.strip()
+    if not name:
+        return "missing tool name in <function=>"
+    label = _tag("function", name)
+    params: dict[str, str] = {}
+    pos = end + 1
+    while True:
+        while pos < len(raw) and raw[pos].isspace():
+            pos += 1
+        if raw.startswith("</function>", pos):
+            return name, params, pos + len("</function>")
+        if pos >= len(raw):
+            return f"{label} has no closing </function>"
+        if not raw.startswith("<parameter=", pos):
+            return f"unexpected text in {label}: {_short(raw[pos:pos + 40])}"
+        end = raw.find(">", pos)
+        key = raw[pos + len("<parameter="):end] if end != -1 else ""
+        if end == -1 or "\n" in key or "<" in key:
+            return f"a <parameter=KEY> tag in {label} without its closing '>'"
+        key = key.strip()
+        close = raw.find("</parameter>", end)
+        if not key:
+            return f"a <parameter=> without a name in {label}"
+        if close == -1:
+            return f"{_tag('parameter', key)} in {label} has no closing </parameter>"
+        if key in params:
+            return f"parameter {_short(key)} given twice in {label}"
+        value = raw[end + 1:close]
+        value = value[1:] if value.startswith("\n") else value  # the template's own newlines
+        params[key] = value[:-1] if value.endswith("\n") else value
+        pos = close + len("</parameter>")
+
+
+def _xml_block(raw: str, schemas: Mapping[str, dict[str, Any]]) -> list[ToolCall]:
+    """The `<function=…>` calls of one block (Qwen3.5 syntax), each checked like a JSON call."""
+    calls: list[ToolCall] = []
+    pos = 0
+    while len(calls) < MAX_CALLS_PER_BLOCK:
+        while pos < len(raw) and raw[pos].isspace():
+            pos += 1
+        if pos >= len(raw):
+            break
+        if not raw.startswith("<function=", pos):
+            where = "after </function>" if calls else "before <function=NAME>"
+            calls.append(_error(f"unexpected text {where}: {_short(raw[pos:pos + 40])}"))
+            break
+        parsed = _xml_function(raw, pos)
+        if isinstance(parsed, str):
+            name = raw[pos + len("<function="):raw.find(">", pos)].strip()
+            calls.append(_error(parsed, name if name in schemas else ""))
+            break
+        name, params, pos = parsed
+        props = schemas.get(name, {}).get("properties", {})
+        props = props if isinstance(props, dict) else {}
+        calls.append(_call({"name": name, "arguments": {
+            k: _xml_value(v, props.get(k)) for k, v in params.items()}}, schemas))
+    return calls
+
+
 def _block(raw: str, schemas: Mapping[str, dict[str, Any]]) -> list[ToolCall]:
     raw = raw.strip()
     if not raw:
         return [_error("empty <tool_call> block")]
     if len(raw) > MAX_BLOCK_CHARS:
         return [_error(f"tool call longer than {MAX_BLOCK_CHARS} characters")]
+    if "<function=" in raw and not raw.startswith(("{", "[")):
+        return _xml_block(raw, schemas)
     obj = load_json(raw)
     if obj is None:
         return [_error("tool call is not JSON")]

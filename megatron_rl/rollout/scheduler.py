@@ -93,7 +93,8 @@ class RolloutScheduler:
         keep = self.cfg.partial_rollout  # without it a cut session starts over: keep nothing
         traj = await self.agent.run(p.question, p.answer, self.engine, group_id=p.uid,
                                     uid=f"{p.uid}/s{step}/{i}", resume=resume,
-                                    commit=commit if keep else None)
+                                    commit=commit if keep else None,
+                                    **({"messages": p.messages} if p.messages else {}))
         traj.metadata.update(p.metadata)
         if keep:
             commit(traj, {"done": True})
