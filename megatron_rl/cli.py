@@ -154,7 +154,7 @@ def _train(args: argparse.Namespace) -> int:
     with _trainer_ranks(nproc, cfg.parallel.backend) as group:
         if group is None:  # a torchrun rank other than 0: it served rank 0's jobs
             return 0
-        print(f"[megatron-rl] RL: {cfg.rl.agent} agent, {cfg.model.name} on "
+        print(f"[megatron-rl] RL: {cfg.rl.agent} agent, {cfg.model.hf_path or cfg.model.name} on "
               f"{getattr(group, 'world_size', nproc)} trainer rank(s), {cfg.train.steps} steps",
               flush=True)
         rows = train(cfg, group)

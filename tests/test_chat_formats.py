@@ -184,7 +184,8 @@ TEMPLATES = {
 }
 
 
-def build_tokenizer(folder: Path, template: str, special: tuple[str, ...]) -> Any:
+def build_tokenizer(folder: Path, template: str, special: tuple[str, ...],
+                    vocab_size: int = 700) -> Any:
     """A family's tokenizer folder, built offline, saved, and loaded back as a run loads one."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -195,7 +196,8 @@ def build_tokenizer(folder: Path, template: str, special: tuple[str, ...]) -> An
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
-        vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size - len(special) - len(ADDED),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])

@@ -86,6 +86,10 @@ class CheckpointConfig:
                                     "weights (a checkpoint folder or run folder): step 0, fresh "
                                     "optimizer and data cursor; checkpoint.load wins")
     keep_last: int = bounded(2, ge=1)
+    export_hf_every: int = bounded(0, ge=0, help="also write an HF folder (weights, tokenizer, "
+                                   "chat template) every N saved steps; 0 = off")
+    export_hf: bool = bounded(False, help="write an HF folder of the final step "
+                              "(<output_dir>/hf/step_N)")
     verify: str = bounded("crc32", choices=("size", "crc32"),
                           help="integrity check of every file on load")
 
@@ -451,6 +455,13 @@ class Config:
             raise ConfigError(f"optim.min_lr={self.optim.min_lr} exceeds optim.lr={self.optim.lr}")
         if self.model.dtype == "fp16":
             raise ConfigError("model.dtype=fp16 is not supported (use bf16 or fp32)")
+        ck = self.checkpoint
+        if (ck.export_hf_every or ck.export_hf) and not ck.dir:
+            raise ConfigError("checkpoint.export_hf: exports are written from checkpoints; "
+                              "set checkpoint.dir")
+        if ck.export_hf_every and ck.save_every and ck.export_hf_every % ck.save_every:
+            raise ConfigError(f"checkpoint.export_hf_every={ck.export_hf_every}: a multiple of "
+                              f"checkpoint.save_every={ck.save_every} (exports read checkpoints)")
         ro = self.rollout
         served = ro.model_path or self.model.hf_path  # engines serve the policy's folder
         if ro.engine == "sglang" and served is None:

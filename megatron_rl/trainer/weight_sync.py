@@ -73,7 +73,9 @@ class WeightGatherer:
     """Collective iterator over the full HF-named weights of a (sharded) Megatron model."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], spec: ModelSpec,
-                 padded_vocab: int, group: Any = None):
+                 padded_vocab: int, group: Any = None, include_mtp: bool = False):
+        """`include_mtp`: also the MTP block's weights; rollout engines decode without it
+        (transformers has no MTP module; speculative rollout would need it)."""
         from megatron.core.dist_checkpointing.mapping import is_main_replica
 
         self.spec, self.wmap, self.group = spec, WeightMap(spec), group
@@ -88,11 +90,15 @@ class WeightGatherer:
                     continue
                 stack = sh.prepend_axis_num
                 entry, index, position = self.wmap.locate(sh.key, tuple(sh.global_offset[:stack]))
+                if entry.layer_type == "mtp" and not include_mtp:
+                    continue
                 key = self.wmap.checkpoint_keys(entry, index)[position]
                 self.local.setdefault((key, index), []).append(
                     (sh.data, tuple(sh.global_offset[stack:]), tuple(sh.local_shape)))
         groups: dict[Any, list[tuple[Entry, tuple[int, ...]]]] = {}
         for entry, index in self.wmap.units():
+            if entry.layer_type == "mtp" and not include_mtp:
+                continue
             groups.setdefault(("layer", entry.layer_type == "mtp", index[0]) if index
                               else entry.keys, []).append((entry, index))
         self.layout = [self._group_layout(g) for g in groups.values()]

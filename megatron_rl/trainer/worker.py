@@ -16,8 +16,9 @@ from megatron_rl.trainer.weight_sync import WeightSyncer, gatherer_for
 
 
 class TrainerWorker:
-    def __init__(self, cfg: Config):
-        """Build the actor (resuming from `checkpoint.load` if set)."""
+    def __init__(self, cfg: Config, initial: str | None = None):
+        """Build the actor: resumed from `checkpoint.load`, else started from the weights of
+        `checkpoint.init_from` or `initial` (model.hf_path, converted by the driver)."""
         self.cfg = cfg
         self.actor = MegatronActor(cfg)
         # the run's initial policy, also when resuming (taken before loading)
@@ -27,8 +28,8 @@ class TrainerWorker:
         if ck.load:
             self.progress = load_checkpoint(self.actor, ck.dir if ck.load == "latest"
                                             else ck.load)
-        elif ck.init_from:  # a new stage: the weights only (its own step, optimizer, data)
-            load_checkpoint(self.actor, ck.init_from, optimizer=False, rng=False)
+        elif ck.init_from or initial:  # weights only: the run's own step, optimizer, data
+            load_checkpoint(self.actor, ck.init_from or initial, optimizer=False, rng=False)
         self.syncer: WeightSyncer | None = None
 
     def describe(self) -> dict[str, Any]:
