@@ -9,6 +9,8 @@ that produced it, so a trainer can tell on-policy tokens from stale ones after a
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -19,6 +21,33 @@ if TYPE_CHECKING:
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
+
+# The shared secret of an engine's control plane (docs/engines.md, "Exposure"): read from the
+# environment only, never a flag or a config field, so it shows in no `ps` and no log.
+TOKEN_ENV = "MEGATRON_RL_ENGINE_TOKEN"
+MIN_TOKEN_CHARS = 16
+# routes that change an engine's state: they need the token (as `Authorization: Bearer`)
+CONTROL_ROUTES = frozenset({
+    "/abort_request", "/pause_generation", "/continue_generation",
+    "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weight_version",
+    "/init_weights_update_group", "/update_weights_from_distributed",
+    "/destroy_weights_update_group", "/release_memory_occupation", "/resume_memory_occupation",
+    "/flush_cache"})
+
+
+def engine_token() -> str | None:
+    """The control-plane token from `MEGATRON_RL_ENGINE_TOKEN` (None when unset or empty)."""
+    return os.environ.get(TOKEN_ENV, "").strip() or None
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether binding `host` keeps a server on this machine ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 @dataclass

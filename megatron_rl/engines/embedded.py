@@ -16,6 +16,12 @@ the temperature-scaled distribution before top-k/top-p (raw logits when greedy, 
 `return_original_logprob`, SGLang's SGLANG_RETURN_ORIGINAL_LOGPROB); output ids include the
 matched stop token; an abort returns the partial output with finish_reason "abort".
 
+Hostile input (docs/engines.md, "Hardening"): bodies are size-capped (413) and validated at
+the boundary (400 naming the field); a failure in a batched step fails only the request that
+fails alone; blocking control calls time out (504); SIGTERM stops the server in seconds. Off
+loopback the control routes need `MEGATRON_RL_ENGINE_TOKEN` (401 without it), and the server
+refuses to start without one.
+
     python -m megatron_rl.engines.embedded --model DIR --port 0   # prints the URL
 """
 
@@ -23,28 +29,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
-import json
+import hmac
 import logging
 import signal
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from aiohttp import web
 
+from megatron_rl.engines.base import (
+    CONTROL_ROUTES,
+    MIN_TOKEN_CHARS,
+    TOKEN_ENV,
+    engine_token,
+    is_loopback_host,
+)
 from megatron_rl.engines.embedded_core import (
-    GENERATE_FIELDS,
     BadRequest,
     EmbeddedCore,
-    Sampling,
     Seq,
-    is_int,
+    parse_generate,
+    parse_json_object,
+    show,
     typed_field,
 )
 from megatron_rl.engines.tensors import (
@@ -62,23 +74,43 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 
 
+MiB = 1 << 20
+DEFAULT_MAX_BODY = 8 * MiB            # /generate and every small control body
+DEFAULT_MAX_WEIGHT_BODY = 8 << 30     # /update_weights_from_tensor carries tensors (base64)
+WEIGHT_ROUTES = frozenset({"/update_weights_from_tensor", "/update_weights_from_distributed"})
+
+
 def _error(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status},
                               "success": False, "message": message}, status=status)
 
 
-async def _json_body(request: web.Request, required: bool = True) -> dict[str, Any]:
-    if not request.can_read_body:
+async def _json_body(request: web.Request, limit: int, required: bool = True
+                     ) -> dict[str, Any]:
+    """The body as a JSON object, read up to `limit` bytes (413 beyond, 400 if not JSON)."""
+    def too_large(n: int | str) -> BadRequest:
+        return BadRequest(f"request body: {n} bytes exceed the {limit}-byte limit of "
+                          f"{request.path}", 413)
+
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(request.content_length)
+    raw = bytearray()
+    while chunk := await request.content.read(1 << 20):  # chunked bodies have no length
+        raw += chunk
+        if len(raw) > limit:
+            raise too_large(f"more than {limit}")
+    if not raw:
         if required:
             raise BadRequest("request body: expected a JSON object")
         return {}
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"request body: expected a JSON object, got {type(body).__name__}")
-    return body
+    return parse_json_object(bytes(raw))
+
+
+def _group_name(body: dict[str, Any]) -> str:
+    name = body.get("group_name", "weight_update_group")
+    if not isinstance(name, str):
+        raise BadRequest(f"group_name: expected a string, got {show(name)}")
+    return name
 
 
 @web.middleware
@@ -105,7 +137,9 @@ class EmbeddedServer:
                  host: str = "127.0.0.1", port: int = 0, model_path: str = "",
                  served_model_name: str = "default", weight_version: int = 0,
                  max_batch_size: int = 32, return_original_logprob: bool = False,
-                 context_length: int | None = None):
+                 context_length: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
+                 max_weight_body_bytes: int = DEFAULT_MAX_WEIGHT_BODY,
+                 control_timeout_s: float = 120.0, shutdown_timeout_s: float = 2.0):
         self.core = EmbeddedCore(model, tokenizer, weight_version=weight_version,
                                  max_batch_size=max_batch_size,
                                  return_original_logprob=return_original_logprob,
@@ -114,12 +148,19 @@ class EmbeddedServer:
         self.host, self.port = host, port
         self.model_path = model_path
         self.served_model_name = served_model_name
+        self.max_body_bytes = max_body_bytes
+        self.max_weight_body_bytes = max_weight_body_bytes
+        self.control_timeout_s = control_timeout_s  # group joins and broadcasts
+        self.shutdown_timeout_s = shutdown_timeout_s  # for in-flight handlers at stop
+        self._token: bytes | None = None  # from the environment at start(), never logged
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._startup_error: BaseException | None = None
         self._groups: dict[str, Any] = {}  # weight-update broadcast groups by name
+        self._waiting: set[asyncio.Future] = set()  # handlers waiting on _in_thread work
+        self._stopping = False
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kw: Any) -> EmbeddedServer:
@@ -139,6 +180,15 @@ class EmbeddedServer:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 30.0) -> EmbeddedServer:
+        token = engine_token()
+        if token is None and not is_loopback_host(self.host):
+            raise RuntimeError(f"embedded server: refusing to bind {self.host} (not loopback) "
+                               f"with an open control plane: set {TOKEN_ENV} (e.g. python -c "
+                               "'import secrets; print(secrets.token_urlsafe(32))')")
+        if token is not None and len(token) < MIN_TOKEN_CHARS:
+            raise RuntimeError(f"embedded server: {TOKEN_ENV} is shorter than "
+                               f"{MIN_TOKEN_CHARS} characters")
+        self._token = None if token is None else token.encode()
         self.core.start()
         self._thread = threading.Thread(target=self._serve, name="embedded-http", daemon=True)
         self._thread.start()
@@ -146,12 +196,17 @@ class EmbeddedServer:
             raise RuntimeError(f"embedded server did not start: {self._startup_error}")
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop serving (in-flight handlers get `shutdown_timeout_s`), then the scheduler."""
+        deadline = time.monotonic() + timeout_s
         if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # the loop already closed
+                pass
         if self._thread is not None:
-            self._thread.join(timeout=30)
-        self.core.stop()
+            self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        self.core.stop(timeout_s=max(deadline - time.monotonic(), 0.1))
 
     def __enter__(self) -> EmbeddedServer:
         return self
@@ -159,14 +214,15 @@ class EmbeddedServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def serve_forever(self) -> None:
-        """Block until SIGINT/SIGTERM (the CLI)."""
+    def serve_forever(self, stop_timeout_s: float = 5.0) -> None:
+        """Block until SIGINT/SIGTERM (the CLI); then stop within about `stop_timeout_s`
+        (blocked control calls run on daemon threads, which do not hold up the exit)."""
         done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: done.set())
         while not done.wait(0.5) and self._thread.is_alive():
             pass
-        self.stop()
+        self.stop(timeout_s=stop_timeout_s)
 
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -180,10 +236,12 @@ class EmbeddedServer:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        # weight updates carry whole tensors in JSON: lift aiohttp's 1 MiB body limit
-        app = web.Application(middlewares=[_errors], client_max_size=1 << 40)
+        # bodies are read by _json_body with a per-route limit; this caps anything else
+        app = web.Application(middlewares=[_errors], client_max_size=self.max_body_bytes)
         self._routes(app)
-        runner = web.AppRunner(app, access_log=None)
+        # aiohttp waits this long twice (for handlers to finish, then after cancelling them)
+        runner = web.AppRunner(app, access_log=None,
+                               shutdown_timeout=self.shutdown_timeout_s / 2)
         await runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -192,10 +250,74 @@ class EmbeddedServer:
         await web.SockSite(runner, sock).start()
         self._ready.set()
         await self._stop.wait()
+        # a handler waiting on a blocked thread answers now, instead of holding up the cleanup
+        self._stopping = True
+        for fut in list(self._waiting):
+            if not fut.done():
+                fut.set_exception(BadRequest("the server is stopping", 503))
         await runner.cleanup()
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.core.call(fn))
+
+    async def _in_thread(self, fn: Callable[[], Any], what: str,
+                         timeout_s: float | None = None) -> Any:
+        """Run blocking `fn` on a daemon thread (not the loop's executor, whose threads the
+        interpreter joins at exit: a hung join would outlive SIGTERM); 504 after timeout_s."""
+        if self._stopping:
+            raise BadRequest("the server is stopping", 503)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not fut.done():
+                (fut.set_result if ok else fut.set_exception)(value)
+
+        def target() -> None:
+            try:
+                result: tuple[bool, Any] = (True, fn())
+            except BaseException as e:
+                result = (False, e)
+            try:
+                loop.call_soon_threadsafe(settle, *result)
+            except RuntimeError:  # the server stopped meanwhile
+                pass
+
+        threading.Thread(target=target, name=f"embedded-{what}", daemon=True).start()
+        self._waiting.add(fut)
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise BadRequest(f"{what}: no answer after {timeout_s:g}s (the server's control "
+                             "timeout, --control-timeout-s)", 504) from None
+        finally:
+            self._waiting.discard(fut)
+
+    def _body(self, request: web.Request, required: bool = True
+              ) -> Awaitable[dict[str, Any]]:
+        limit = (self.max_weight_body_bytes if request.path in WEIGHT_ROUTES
+                 else self.max_body_bytes)
+        return _json_body(request, limit, required)
+
+    def _authorized(self, request: web.Request) -> bool:
+        if self._token is None:
+            return True
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        # constant-time: the comparison must not tell how much of a guess was right
+        return hmac.compare_digest(value.strip().encode("utf-8", "replace"), self._token) \
+            and scheme.lower() == "bearer"
+
+    def _control(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            if not self._authorized(request):
+                resp = _error(f"{request.path} is a control route: send the engine token "
+                              f"(Authorization: Bearer ${TOKEN_ENV})", 401)
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                return resp
+            return await handler(request)
+        return guarded
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -208,21 +330,24 @@ class EmbeddedServer:
         r.add_get("/v1/models", self._models)
         r.add_route("POST", "/generate", self._generate)
         r.add_route("PUT", "/generate", self._generate)
-        r.add_post("/abort_request", self._abort)
-        r.add_post("/pause_generation", self._pause)
-        r.add_post("/continue_generation", self._continue)
-        r.add_post("/update_weights_from_tensor", self._update_from_tensor)
-        r.add_post("/update_weights_from_disk", self._update_from_disk)
-        r.add_post("/update_weight_version", self._update_version)
-        r.add_post("/init_weights_update_group", self._init_group)
-        r.add_post("/update_weights_from_distributed", self._update_from_distributed)
-        r.add_post("/destroy_weights_update_group", self._destroy_group)
-        for path, fn in (("/release_memory_occupation", self._release),
-                         ("/resume_memory_occupation", self._resume),
-                         ("/flush_cache", self._flush)):
-            r.add_get(path, fn)
-            r.add_post(path, fn)
         r.add_post("/v1/chat/completions", self._chat)
+        control = {
+            "/abort_request": self._abort, "/pause_generation": self._pause,
+            "/continue_generation": self._continue,
+            "/update_weights_from_tensor": self._update_from_tensor,
+            "/update_weights_from_disk": self._update_from_disk,
+            "/update_weight_version": self._update_version,
+            "/init_weights_update_group": self._init_group,
+            "/update_weights_from_distributed": self._update_from_distributed,
+            "/destroy_weights_update_group": self._destroy_group,
+            "/release_memory_occupation": self._release,
+            "/resume_memory_occupation": self._resume, "/flush_cache": self._flush}
+        assert set(control) == CONTROL_ROUTES  # the client sends the token to the same set
+        get_too = {"/release_memory_occupation", "/resume_memory_occupation", "/flush_cache"}
+        for path, fn in control.items():
+            r.add_post(path, self._control(fn))
+            if path in get_too:
+                r.add_get(path, self._control(fn))
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.core.alive else 503)
@@ -244,49 +369,9 @@ class EmbeddedServer:
             {"id": self.served_model_name, "object": "model", "owned_by": "megatron-rl"}]})
 
     def _parse_generate(self, body: dict[str, Any]) -> Seq:
-        unknown = sorted(set(body) - GENERATE_FIELDS)
-        if unknown:
-            raise BadRequest(f"{unknown[0]}: not supported by the embedded engine")
-        if body.get("stream"):
-            raise BadRequest("stream: streaming is not supported by the embedded engine")
-        if body.get("logprob_start_len") not in (None, -1):
-            raise BadRequest("logprob_start_len: only output-token log-probs are returned")
-        if body.get("top_logprobs_num") not in (None, 0):
-            raise BadRequest("top_logprobs_num: top log-probs are not supported")
-        if body.get("routed_experts_start_len") not in (None, 0):
-            raise BadRequest("routed_experts_start_len: only 0 is supported")
-        rid = body.get("rid")
-        if rid is None:
-            rid = uuid.uuid4().hex
-        if not isinstance(rid, str):
-            raise BadRequest(f"rid: expected a string, got {rid!r}")
-        ids = body.get("input_ids")
-        if ids is None and body.get("text") is not None:
-            if self.tokenizer is None:
-                raise BadRequest("text: this server has no tokenizer; send input_ids")
-            if not isinstance(body["text"], str):
-                raise BadRequest("text: expected a string (batches are not supported)")
-            ids = self.tokenizer.encode(body["text"], add_special_tokens=False)
-        if ids is None:
-            raise BadRequest("input_ids: required (a non-empty list of token ids)")
-        if not (isinstance(ids, list) and ids and all(is_int(t) for t in ids)):
-            raise BadRequest(f"input_ids: expected a non-empty list of token ids, got "
-                             f"{str(ids)[:80]}")
-        bad = [t for t in ids if not 0 <= t < self.core.vocab_size]
-        if bad:
-            raise BadRequest(f"input_ids: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.core.vocab_size})")
-        if len(ids) >= self.core.context_length:
-            raise BadRequest(f"input_ids: {len(ids)} tokens exceed the context length "
-                             f"{self.core.context_length}")
-        routed = typed_field(body, "return_routed_experts", "bool", False, "")
-        if routed and not self.core.routers:
-            raise BadRequest("return_routed_experts: the model has no experts (or no router "
-                             "transformers can record)")
-        return Seq(rid=rid, prompt=list(ids),
-                   sampling=Sampling.parse(body.get("sampling_params"), self.core.vocab_size),
-                   return_logprob=bool(typed_field(body, "return_logprob", "bool", False, "")),
-                   return_routed=routed, future=concurrent.futures.Future())
+        return parse_generate(body, vocab_size=self.core.vocab_size,
+                              context_length=self.core.context_length, tokenizer=self.tokenizer,
+                              has_routers=bool(self.core.routers))
 
     async def _run(self, seq: Seq) -> dict[str, Any]:
         if self.core.released:
@@ -303,20 +388,20 @@ class EmbeddedServer:
             raise
 
     async def _generate(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await self._body(request)
         return web.json_response(await self._run(self._parse_generate(body)))
 
     async def _abort(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await self._body(request)
         rid = body.get("rid")
         if rid is not None and not isinstance(rid, str):
-            raise BadRequest(f"rid: expected a string, got {rid!r}")
-        abort_all = bool(body.get("abort_all", False))
+            raise BadRequest(f"rid: expected a string, got {show(rid)}")
+        abort_all = bool(typed_field(body, "abort_all", "bool", False, ""))
         await self._call(lambda: self.core.abort(rid, abort_all=abort_all))
         return web.Response(status=200)
 
     async def _pause(self, request: web.Request) -> web.Response:
-        body = await _json_body(request, required=False)
+        body = await self._body(request, required=False)
         mode = body.get("mode", "abort")  # SGLang's default mode
         await self._call(lambda: self.core.pause(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
@@ -327,7 +412,7 @@ class EmbeddedServer:
                                   "status": "ok"})
 
     async def _update_from_tensor(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await self._body(request)
         payloads = body.get("serialized_named_tensors")
         if not (isinstance(payloads, list) and payloads
                 and all(isinstance(p, str) for p in payloads)):
@@ -340,16 +425,20 @@ class EmbeddedServer:
         try:
             # the server is TP 1: every entry is the same tensors, so decode the first only
             header = shm_header(payloads[0])
-            if header is not None:  # same machine: copy straight from the trainer's segment
-                with SharedBucket(header) as named:
-                    await self._abort_all_if_asked(body)
-                    await self._call(lambda: self.core.load_weights(named, version))
-                return web.json_response({"success": True,
-                                          "message": "Succeeded to update weights."})
-            named = await asyncio.get_running_loop().run_in_executor(
-                None, decode_safetensors, payloads[0])
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-            raise BadRequest(f"serialized_named_tensors: {e}") from None
+            bucket = None if header is None else SharedBucket(header)
+            if header is None:
+                named = await self._in_thread(lambda: decode_safetensors(payloads[0]),
+                                              "serialized_named_tensors")
+        except BadRequest:
+            raise
+        except Exception as e:  # whatever the payload breaks in decoding is the payload's fault
+            raise BadRequest(f"serialized_named_tensors: {type(e).__name__}: {e}") from None
+        if bucket is not None:  # same machine: copy straight from the trainer's segment
+            with bucket as named:
+                await self._abort_all_if_asked(body)
+                await self._call(lambda: self.core.load_weights(named, version))
+            return web.json_response({"success": True,
+                                      "message": "Succeeded to update weights."})
         await self._abort_all_if_asked(body)
         await self._call(lambda: self.core.load_weights(named, version))
         return web.json_response({"success": True, "message": "Succeeded to update weights."})
@@ -360,14 +449,19 @@ class EmbeddedServer:
                                                      message="Aborted for a weight update"))
 
     async def _update_from_disk(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await self._body(request)
         path = body.get("model_path")
         if not isinstance(path, str):
             raise BadRequest("model_path: required (a directory of safetensors files)")
         if body.get("load_format") not in (None, "auto", "safetensors"):
             raise BadRequest(f"load_format: {body['load_format']!r} is not supported")
-        named = await asyncio.get_running_loop().run_in_executor(None, _read_safetensors_dir,
-                                                                 Path(path))
+        try:
+            named = await self._in_thread(lambda: _read_safetensors_dir(Path(path)),
+                                          "model_path")
+        except BadRequest:
+            raise
+        except Exception as e:  # unreadable or corrupt files
+            raise BadRequest(f"model_path: {type(e).__name__}: {str(e)[:300]}") from None
         version = body.get("weight_version")
         await self._abort_all_if_asked(body)
         await self._call(lambda: self.core.load_weights(named, version, require_complete=True))
@@ -376,7 +470,7 @@ class EmbeddedServer:
                                   "num_paused_requests": 0})
 
     async def _update_version(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await self._body(request)
         if body.get("abort_all_requests", True):  # SGLang's default aborts all
             await self._call(lambda: self.core.abort(None, abort_all=True))
         await self._call(lambda: self.core.set_version(body.get("new_version")))
@@ -386,35 +480,48 @@ class EmbeddedServer:
 
     # The trainer's rank 0 and this server form a broadcast group of their own (the trainer at
     # rank 0, this server at `rank_offset`); on CPU it is gloo, as the trainer's side is.
+    # Joining and receiving block on the trainer: both time out after control_timeout_s.
     async def _init_group(self, request: web.Request) -> web.Response:
         import datetime
 
         import torch.distributed as dist
 
-        body = await _json_body(request)
+        body = await self._body(request)
         host = typed_field(body, "master_address", "str", None, "")
         port = typed_field(body, "master_port", "int", None, "")
         rank = typed_field(body, "rank_offset", "int", None, "")
         world = typed_field(body, "world_size", "int", None, "")
-        name = body.get("group_name", "weight_update_group")
+        name = _group_name(body)
         if body.get("backend", "gloo") != "gloo":
-            raise BadRequest(f"backend: {body.get('backend')!r} needs a GPU; the embedded "
+            raise BadRequest(f"backend: {show(body.get('backend'))} needs a GPU; the embedded "
                              "engine joins gloo groups")
         if None in (host, port, rank, world) or not 0 < rank < world:
             raise BadRequest("master_address, master_port, rank_offset (1..world_size-1) and "
                              "world_size are required")
-        timeout = datetime.timedelta(seconds=300)
+        if not 0 < len(host) <= 255:
+            raise BadRequest(f"master_address: expected a host name or IP, got {show(host)}")
+        if not 0 < port < 65536:
+            raise BadRequest(f"master_port: must be in [1, 65535], got {show(port)}")
+        if world > 1 << 16:
+            raise BadRequest(f"world_size: at most {1 << 16}, got {show(world)}")
+        timeout = datetime.timedelta(seconds=self.control_timeout_s)
 
         def join() -> Any:
             store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
             return dist.ProcessGroupGloo(store, rank, world, timeout)
 
-        self._groups[name] = await asyncio.get_running_loop().run_in_executor(None, join)
+        try:
+            group = await self._in_thread(join, "init_weights_update_group",
+                                          self.control_timeout_s)
+        except RuntimeError as e:  # DistNetworkError / DistStoreError: the trainer is not there
+            raise BadRequest(f"init_weights_update_group: cannot join the group at "
+                             f"{host}:{port}: {str(e).splitlines()[0][:300]}", 502) from None
+        self._groups[name] = group
         return web.json_response({"success": True, "message": "Succeeded to initialize group."})
 
     async def _update_from_distributed(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        name = body.get("group_name", "weight_update_group")
+        body = await self._body(request)
+        name = _group_name(body)
         group = self._groups.get(name)
         if group is None:
             raise BadRequest(f"group_name: no weight-update group {name!r}; call "
@@ -423,17 +530,34 @@ class EmbeddedServer:
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
                 and len(names) == len(dtypes) == len(shapes) and names):
             raise BadRequest("names, dtypes, shapes: non-empty lists of equal length")
+        if not all(isinstance(n, str) for n in names):
+            raise BadRequest("names: expected tensor names (strings)")
+        kinds = [getattr(torch, d, None) if isinstance(d, str) else None for d in dtypes]
+        bad = [d for d, k in zip(dtypes, kinds) if not isinstance(k, torch.dtype)]
+        if bad:
+            raise BadRequest(f"dtypes: {show(bad[0])} is not a torch dtype")
         try:
-            empty = [torch.empty(shape, dtype=getattr(torch, d))
-                     for shape, d in zip(shapes, dtypes, strict=True)]
-        except (AttributeError, TypeError, RuntimeError) as e:
-            raise BadRequest(f"dtypes/shapes: {e}") from None
+            # shapes against the model's before a byte is allocated (meta tensors are free)
+            meta = [torch.empty(shape, dtype=k, device="meta") for shape, k in zip(shapes, kinds)]
+        except (TypeError, RuntimeError, ValueError, OverflowError) as e:
+            raise BadRequest(f"shapes: {str(e)[:200]}") from None
+        self.core.weights.validate(list(zip(names, meta, strict=True)))
+        empty = [torch.empty(t.shape, dtype=t.dtype) for t in meta]
 
         def receive() -> None:
             for t in empty:
                 group.broadcast(t, 0).wait()
 
-        await asyncio.get_running_loop().run_in_executor(None, receive)
+        try:
+            await self._in_thread(receive, "update_weights_from_distributed",
+                                  self.control_timeout_s)
+        except BadRequest:
+            self._groups.pop(name, None)  # a broadcast left half-received: the group is spent
+            raise
+        except RuntimeError as e:
+            self._groups.pop(name, None)
+            raise BadRequest(f"update_weights_from_distributed: broadcast failed: "
+                             f"{str(e).splitlines()[0][:300]}", 502) from None
         version = body.get("weight_version")
         await self._abort_all_if_asked(body)
         named = list(zip(names, empty, strict=True))
@@ -441,8 +565,8 @@ class EmbeddedServer:
         return web.json_response({"success": True, "message": "Succeeded to update weights."})
 
     async def _destroy_group(self, request: web.Request) -> web.Response:
-        body = await _json_body(request, required=False)
-        self._groups.pop(body.get("group_name", "weight_update_group"), None)
+        body = await self._body(request, required=False)
+        self._groups.pop(_group_name(body), None)
         return web.json_response({"success": True, "message": "Succeeded to destroy group."})
 
     async def _release(self, request: web.Request) -> web.Response:
@@ -458,7 +582,7 @@ class EmbeddedServer:
         return web.Response(text="Cache flushed.\n", status=200)
 
     async def _chat(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await self._body(request)
         if self.tokenizer is None:
             raise BadRequest("this server has no tokenizer: /v1/chat/completions needs one")
         msgs = body.get("messages")
@@ -469,7 +593,12 @@ class EmbeddedServer:
             raise BadRequest("stream: streaming is not supported by the embedded engine")
         if body.get("n", 1) != 1:
             raise BadRequest("n: only n=1 is supported")
-        enc = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        try:
+            enc = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                     tokenize=True)
+        except Exception as e:  # the template's own complaint (a missing role, ...)
+            raise BadRequest(f"messages: the chat template failed: {type(e).__name__}: "
+                             f"{str(e)[:200]}") from None
         ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or 128
         sp: dict[str, Any] = {"max_new_tokens": max_tokens,
@@ -517,10 +646,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--return-original-logprob", action="store_true",
                    help="log-probs of the raw logits (SGLANG_RETURN_ORIGINAL_LOGPROB)")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY / MiB,
+                   help="body limit of /generate and the small control routes (413 beyond)")
+    p.add_argument("--max-weight-body-mb", type=float, default=DEFAULT_MAX_WEIGHT_BODY / MiB,
+                   help="body limit of /update_weights_from_tensor[/_distributed]")
+    p.add_argument("--control-timeout-s", type=float, default=120.0,
+                   help="how long a group join or weight broadcast may block (504 after)")
     args = p.parse_args(argv)
+    if engine_token() is None and not is_loopback_host(args.host):
+        p.error(f"--host {args.host} is not loopback: set {TOKEN_ENV} in the environment")
     kw = dict(host=args.host, port=args.port, weight_version=args.weight_version,
               max_batch_size=args.max_batch_size,
-              return_original_logprob=args.return_original_logprob)
+              return_original_logprob=args.return_original_logprob,
+              max_body_bytes=int(args.max_body_mb * MiB),
+              max_weight_body_bytes=int(args.max_weight_body_mb * MiB),
+              control_timeout_s=args.control_timeout_s)
     if args.model:
         server = EmbeddedServer.from_pretrained(args.model, **kw)
     else:

@@ -9,11 +9,15 @@ import base64
 import collections
 import concurrent.futures
 import difflib
+import json
 import logging
+import math
 import queue
+import reprlib
 import secrets
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +39,8 @@ class BadRequest(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# request parsing
+# request parsing: everything a request carries is checked here, so a decode step never meets
+# a value it cannot handle (one bad request must not fail a batch)
 # ---------------------------------------------------------------------------------------------
 
 # /generate fields served here; any other GenerateReqInput field gets a 400 naming it
@@ -45,6 +50,24 @@ GENERATE_FIELDS = {"rid", "input_ids", "text", "sampling_params", "return_logpro
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_new_tokens", "min_new_tokens",
                     "stop_token_ids", "ignore_eos", "sampling_seed", "skip_special_tokens",
                     "spaces_between_special_tokens", "no_stop_trim", "n", "stop"}
+
+MAX_SEED = 2**63 - 1          # SGLang keeps sampling seeds in an int64 tensor
+MAX_TEMPERATURE = 1e4         # far above any useful value; keeps logits / T finite in fp32
+MAX_NEW_TOKENS = 2**31 - 1
+MAX_STOP_TOKEN_IDS = 1024
+MAX_RID_CHARS = 1024
+MAX_JSON_DEPTH = 32           # /generate needs 3; weight-update bodies 3
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 60
+
+
+def show(v: Any) -> str:
+    """A short repr for error messages (request values can be huge or deeply nested)."""
+    try:
+        return _SHOW.repr(v)
+    except ValueError:  # an int past Python's int-to-str digit limit
+        return "<a number too large to print>"
 
 
 def is_int(v: Any) -> bool:
@@ -58,8 +81,42 @@ def typed_field(d: dict[str, Any], key: str, kind: str, default: Any, where: str
     ok = {"int": is_int(v), "bool": isinstance(v, bool), "str": isinstance(v, str),
           "float": is_int(v) or isinstance(v, float)}[kind]
     if not ok:
-        raise BadRequest(f"{where}{key}: expected {kind}, got {v!r}")
-    return float(v) if kind == "float" else v
+        raise BadRequest(f"{where}{key}: expected {kind}, got {show(v)}")
+    if kind == "float":
+        try:
+            v = float(v)
+        except OverflowError:  # an integer beyond float range
+            v = math.inf
+        if not math.isfinite(v):
+            raise BadRequest(f"{where}{key}: expected a finite number, got {show(d[key])}")
+    return v
+
+
+def _in_range(where: str, v: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    if (v <= lo if lo_open else v < lo) or v > hi:
+        bound = "(" if lo_open else "["
+        raise BadRequest(f"{where}: must be in {bound}{lo:g}, {hi:g}], got {show(v)}")
+
+
+def parse_json_object(raw: bytes, where: str = "request body") -> dict[str, Any]:
+    """A request body: one JSON object, nested at most MAX_JSON_DEPTH deep (400 otherwise)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest(f"{where}: JSON nested too deeply (at most {MAX_JSON_DEPTH} "
+                         "levels)") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        raise BadRequest(f"{where} is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"{where}: expected a JSON object, got {type(body).__name__}")
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:  # iterative: the depth check itself must not recurse
+        v, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        children = v.values() if isinstance(v, dict) else v
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return body
 
 
 @dataclass
@@ -83,10 +140,11 @@ class Sampling:
         if sp is None:
             sp = {}
         if not isinstance(sp, dict):
-            raise BadRequest(f"sampling_params: expected an object, got {sp!r}")
+            raise BadRequest(f"sampling_params: expected an object, got {show(sp)}")
         unknown = sorted(set(sp) - _SAMPLING_FIELDS)
         if unknown:
-            raise BadRequest(f"sampling_params.{unknown[0]}: not supported by the embedded engine")
+            raise BadRequest(f"sampling_params.{unknown[0][:60]}: not supported by the "
+                             "embedded engine")
         w = "sampling_params."
         s = cls(temperature=typed_field(sp, "temperature", "float", 1.0, w),
                 top_p=typed_field(sp, "top_p", "float", 1.0, w),
@@ -96,24 +154,33 @@ class Sampling:
                 ignore_eos=typed_field(sp, "ignore_eos", "bool", False, w),
                 seed=typed_field(sp, "sampling_seed", "int", None, w),
                 skip_special_tokens=typed_field(sp, "skip_special_tokens", "bool", True, w))
+        for key in ("spaces_between_special_tokens", "no_stop_trim"):
+            typed_field(sp, key, "bool", None, w)
         stops = sp.get("stop_token_ids") or []
         if not isinstance(stops, list) or not all(is_int(t) for t in stops):
             raise BadRequest(f"sampling_params.stop_token_ids: expected a list of token ids, "
-                             f"got {stops!r}")
-        s.stop_token_ids = tuple(stops)
+                             f"got {show(stops)}")
+        if len(stops) > MAX_STOP_TOKEN_IDS:
+            raise BadRequest(f"sampling_params.stop_token_ids: {len(stops)} ids, at most "
+                             f"{MAX_STOP_TOKEN_IDS}")
+        bad = [t for t in stops if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"sampling_params.stop_token_ids: token id {show(bad[0])} is "
+                             f"outside the vocabulary [0, {vocab_size})")
+        s.stop_token_ids = tuple(dict.fromkeys(stops))
         if typed_field(sp, "n", "int", 1, w) != 1:
             raise BadRequest("sampling_params.n: only n=1 is supported by the embedded engine")
         if sp.get("stop"):
             raise BadRequest("sampling_params.stop: stop strings are not supported by the "
                              "embedded engine (use stop_token_ids)")
-        if s.temperature < 0:
-            raise BadRequest(f"sampling_params.temperature: must be >= 0, got {s.temperature}")
-        if not 0 < s.top_p <= 1:
-            raise BadRequest(f"sampling_params.top_p: must be in (0, 1], got {s.top_p}")
+        _in_range(w + "temperature", s.temperature, 0, MAX_TEMPERATURE)
+        _in_range(w + "top_p", s.top_p, 0, 1, lo_open=True)
         if s.top_k == 0 or s.top_k < -1:
-            raise BadRequest(f"sampling_params.top_k: must be -1 or >= 1, got {s.top_k}")
-        if s.max_new_tokens < 0 or s.min_new_tokens < 0:
-            raise BadRequest("sampling_params.max_new_tokens/min_new_tokens: must be >= 0")
+            raise BadRequest(f"sampling_params.top_k: must be -1 or >= 1, got {show(s.top_k)}")
+        _in_range(w + "max_new_tokens", s.max_new_tokens, 0, MAX_NEW_TOKENS)
+        _in_range(w + "min_new_tokens", s.min_new_tokens, 0, MAX_NEW_TOKENS)
+        if s.seed is not None:
+            _in_range(w + "sampling_seed", s.seed, 0, MAX_SEED)
         if s.top_k == -1 or s.top_k > vocab_size:
             s.top_k = vocab_size
         return s
@@ -136,6 +203,64 @@ class Seq:
     generator: torch.Generator | None = None
     finish: dict[str, Any] | None = None
     started: float = field(default_factory=time.monotonic)
+
+
+def parse_generate(body: dict[str, Any], *, vocab_size: int, context_length: int,
+                   tokenizer: Any = None, has_routers: bool = False) -> Seq:
+    """A /generate body → a Seq ready to schedule, or BadRequest naming the field.
+
+    Pure (no engine state), so it can be fuzzed directly; whatever it accepts the decode step
+    can run."""
+    unknown = sorted(set(body) - GENERATE_FIELDS)
+    if unknown:
+        raise BadRequest(f"{unknown[0][:60]}: not supported by the embedded engine")
+    if body.get("stream"):
+        raise BadRequest("stream: streaming is not supported by the embedded engine")
+    if body.get("logprob_start_len") not in (None, -1):
+        raise BadRequest("logprob_start_len: only output-token log-probs are returned")
+    if body.get("top_logprobs_num") not in (None, 0):
+        raise BadRequest("top_logprobs_num: top log-probs are not supported")
+    if body.get("routed_experts_start_len") not in (None, 0):
+        raise BadRequest("routed_experts_start_len: only 0 is supported")
+    rid = body.get("rid")
+    if rid is None:
+        rid = uuid.uuid4().hex
+    if not isinstance(rid, str):
+        raise BadRequest(f"rid: expected a string, got {show(rid)}")
+    if len(rid) > MAX_RID_CHARS:
+        raise BadRequest(f"rid: {len(rid)} characters, at most {MAX_RID_CHARS}")
+    ids = body.get("input_ids")
+    if ids is None and body.get("text") is not None:
+        text = body["text"]
+        if tokenizer is None:
+            raise BadRequest("text: this server has no tokenizer; send input_ids")
+        if not isinstance(text, str):
+            raise BadRequest("text: expected a string (batches are not supported)")
+        try:
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+        except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+            raise BadRequest(f"text: cannot be tokenized ({type(e).__name__})") from None
+        if not ids:
+            raise BadRequest("text: encodes to no tokens")
+    if ids is None:
+        raise BadRequest("input_ids: required (a non-empty list of token ids)")
+    if not (isinstance(ids, list) and ids and all(is_int(t) for t in ids)):
+        raise BadRequest(f"input_ids: expected a non-empty list of token ids, got {show(ids)}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(f"input_ids: token id {show(bad[0])} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+    if len(ids) >= context_length:
+        raise BadRequest(f"input_ids: {len(ids)} tokens exceed the context length "
+                         f"{context_length}")
+    routed = typed_field(body, "return_routed_experts", "bool", False, "")
+    if routed and not has_routers:
+        raise BadRequest("return_routed_experts: the model has no experts (or no router "
+                         "transformers can record)")
+    return Seq(rid=rid, prompt=list(ids), sampling=Sampling.parse(body.get("sampling_params"),
+                                                                  vocab_size),
+               return_logprob=typed_field(body, "return_logprob", "bool", False, ""),
+               return_routed=routed, future=concurrent.futures.Future())
 
 
 def router_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
@@ -257,6 +382,7 @@ class EmbeddedCore:
         self.error: BaseException | None = None
         self.max_running = 0  # the largest batch decoded so far (a sign batching happened)
         self.admitting: list[Seq] = []  # taken from pending, not yet in the batch
+        self.stepping: list[Seq] = []   # the rows of the forward pass under way
         self.busy_seconds = 0.0  # spent in prefill and decode steps (generation proper)
         self.weights = WeightLoader(model)
         self.thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
@@ -274,9 +400,10 @@ class EmbeddedCore:
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
         self.inbox.put(("stop", None))
-        self.thread.join(timeout=30)
+        if self.thread.is_alive():
+            self.thread.join(timeout=timeout_s)
 
     @property
     def alive(self) -> bool:
@@ -326,7 +453,7 @@ class EmbeddedCore:
                     self._admit()
                 if self.batch:
                     self._decode()
-            except Exception as e:  # a model failure fails the in-flight requests, not the server
+            except Exception as e:  # _admit/_decode isolate request failures; this is a bug
                 log.exception("embedded engine step failed")
                 self._fail_all(e)
             self.busy_seconds += time.perf_counter() - t0
@@ -338,6 +465,14 @@ class EmbeddedCore:
                 s.future.set_exception(e)
         self.batch, self.pending, self.cache, self.mask = [], collections.deque(), None, None
         self.admitting = []
+
+    def _fail(self, s: Seq, e: BaseException) -> None:
+        """One request failed: it alone gets the error (its row leaves at the next retire)."""
+        log.warning("embedded engine: request %s failed: %s: %s", s.rid, type(e).__name__, e)
+        s.finish = {"type": "error"}
+        self.rids.discard(s.rid)
+        if not s.future.done():
+            s.future.set_exception(e)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any,
                  routed: bool) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
@@ -362,11 +497,34 @@ class EmbeddedCore:
         return out.logits[:, -1, :].float(), out.past_key_values, experts
 
     def _admit(self) -> None:
-        from transformers import DynamicCache
-
         group = self.admitting = []
         while self.pending and len(self.batch) + len(group) < self.max_batch_size:
             group.append(self.pending.popleft())
+        try:
+            self._prefill(group)
+        except Exception as e:
+            self._alone(group, e, "prefill")
+        finally:
+            self.admitting = []
+
+    def _alone(self, seqs: list[Seq], e: Exception, step: str) -> None:
+        """A batched step failed: prefill each request on its own (from prompt + output so
+        far, as after a retract), so only a request that fails alone gets the error."""
+        seqs = [s for s in seqs if s.finish is None]
+        if len(seqs) == 1 and step == "prefill":
+            self._fail(seqs[0], e)
+            return
+        log.warning("embedded engine: %s of %d requests failed (%s: %s); running them one by "
+                    "one", step, len(seqs), type(e).__name__, e)
+        for s in seqs:
+            try:
+                self._prefill([s])
+            except Exception as e1:
+                self._fail(s, e1)
+
+    def _prefill(self, group: list[Seq]) -> None:
+        from transformers import DynamicCache
+
         # a retracted request comes back with its output so far: prefill prompt + output
         toks = [s.prompt + s.out for s in group]
         width = max(len(t) for t in toks)
@@ -377,6 +535,7 @@ class EmbeddedCore:
             mask[i, width - len(t):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         routed = any(s.return_routed for s in group)
+        self.stepping = group
         logits, cache, experts = self._forward(ids, mask, pos, DynamicCache(), routed)
         if experts is not None:
             for i, s in enumerate(group):
@@ -384,42 +543,57 @@ class EmbeddedCore:
         self._sample(group, logits)
         keep = [i for i, s in enumerate(group) if s.finish is None]
         self._merge([group[i] for i in keep], cache, mask, keep)
-        self.admitting = []
 
     def _decode(self) -> None:
-        ids = torch.tensor([[s.out[-1]] for s in self.batch])
-        pos = self.mask.sum(-1, keepdim=True)
-        self.mask = torch.cat([self.mask, torch.ones(len(self.batch), 1, dtype=torch.long)], -1)
-        routed = any(s.return_routed for s in self.batch)
-        logits, self.cache, experts = self._forward(ids, self.mask, pos, self.cache, routed)
-        if experts is not None:
-            for i, s in enumerate(self.batch):
-                s.routed.append(experts[i, 0].numpy().astype(np.int32))
-        self._sample(self.batch, logits)
-        self._retire()
+        batch = self.batch
+        try:
+            ids = torch.tensor([[s.out[-1]] for s in batch])
+            pos = self.mask.sum(-1, keepdim=True)
+            mask = torch.cat([self.mask, torch.ones(len(batch), 1, dtype=torch.long)], -1)
+            routed = any(s.return_routed for s in batch)
+            self.stepping = batch
+            logits, cache, experts = self._forward(ids, mask, pos, self.cache, routed)
+            self.cache, self.mask = cache, mask
+            if experts is not None:
+                for i, s in enumerate(batch):
+                    s.routed.append(experts[i, 0].numpy().astype(np.int32))
+            self._sample(batch, logits)
+            self._retire()
+        except Exception as e:
+            # the KV cache may be half-updated: drop it and re-prefill the rows one by one
+            self.batch, self.cache, self.mask = [], None, None
+            self._alone(batch, e, "decode")
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         for i, s in enumerate(seqs):
-            row, sp = logits[i], s.sampling
-            if len(s.out) < sp.min_new_tokens:  # SGLang's min_new_tokens penalizer
+            try:
+                self._sample_row(s, logits[i])
+            except Exception as e:  # this request's own failure: the others go on
+                self._fail(s, e)
+
+    def _sample_row(self, s: Seq, row: torch.Tensor) -> None:
+        sp = s.sampling
+        if len(s.out) < sp.min_new_tokens:  # SGLang's min_new_tokens penalizer
+            banned = list(set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids))
+            if len(banned) < len(row):  # never ban every token
                 row = row.clone()
-                row[list(set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids))] = (
-                    float("-inf"))
-            if sp.greedy:
-                tok = int(torch.argmax(row))
-                scaled = row
-            else:
-                scaled = row / sp.temperature
-                tok = self._draw(scaled, sp, s)
-            lp_source = row if self.return_original_logprob else scaled
-            s.out.append(tok)
-            s.logprobs.append(float(torch.log_softmax(lp_source, -1)[tok]))
-            s.versions.append(self.weight_version)
-            if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
-                self._finish(s, {"type": "stop", "matched": tok})
-            elif len(s.out) >= sp.max_new_tokens or len(s.prompt) + len(s.out) >= (
-                    self.context_length):
-                self._finish(s, {"type": "length", "length": len(s.out)})
+                row[banned] = float("-inf")
+        if sp.greedy:
+            tok = int(torch.argmax(row))
+            scaled = row
+        else:
+            scaled = row / sp.temperature
+            tok = self._draw(scaled, sp, s)
+        lp_source = row if self.return_original_logprob else scaled
+        logprob = float(torch.log_softmax(lp_source, -1)[tok])
+        s.out.append(tok)
+        s.logprobs.append(logprob)
+        s.versions.append(self.weight_version)
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
+            self._finish(s, {"type": "stop", "matched": tok})
+        elif len(s.out) >= sp.max_new_tokens or len(s.prompt) + len(s.out) >= (
+                self.context_length):
+            self._finish(s, {"type": "length", "length": len(s.out)})
 
     def _draw(self, scaled: torch.Tensor, sp: Sampling, s: Seq) -> int:
         if s.generator is None:
@@ -457,10 +631,14 @@ class EmbeddedCore:
             shape[dim] = width - t
             return torch.cat([x.new_zeros(shape), x], dim)
 
-        for layer, (k, v) in zip(self.cache.layers, new_layers):
-            layer.keys = torch.cat([pad(layer.keys, t_old, 2), pad(k, t_new, 2)], 0)
-            layer.values = torch.cat([pad(layer.values, t_old, 2), pad(v, t_new, 2)], 0)
-        self.mask = torch.cat([pad(self.mask, t_old, 1), pad(mask, t_new, 1)], 0)
+        # computed before anything is assigned: a failure leaves the running batch intact
+        merged = [(torch.cat([pad(layer.keys, t_old, 2), pad(k, t_new, 2)], 0),
+                   torch.cat([pad(layer.values, t_old, 2), pad(v, t_new, 2)], 0))
+                  for layer, (k, v) in zip(self.cache.layers, new_layers)]
+        merged_mask = torch.cat([pad(self.mask, t_old, 1), pad(mask, t_new, 1)], 0)
+        for layer, (k, v) in zip(self.cache.layers, merged):
+            layer.keys, layer.values = k, v
+        self.mask = merged_mask
         self.batch.extend(seqs)
         self.max_running = max(self.max_running, len(self.batch))
 
@@ -484,8 +662,13 @@ class EmbeddedCore:
     def _finish(self, s: Seq, reason: dict[str, Any]) -> None:
         s.finish = reason
         self.rids.discard(s.rid)
-        if not s.future.done():
+        if s.future.done():
+            return
+        try:
             s.future.set_result(self._response(s))
+        except Exception as e:  # e.g. the tokenizer cannot decode this request's output
+            log.warning("embedded engine: response for %s failed: %s", s.rid, e)
+            s.future.set_exception(e)
 
     def _response(self, s: Seq) -> dict[str, Any]:
         spans: list[dict[str, Any]] = []
@@ -531,7 +714,7 @@ class EmbeddedCore:
             self.pending.extendleft(reversed(self.batch))
             self.batch, self.cache, self.mask = [], None, None
         elif mode != "in_place":
-            raise BadRequest(f"mode: expected 'abort', 'retract' or 'in_place', got {mode!r}")
+            raise BadRequest(f"mode: expected 'abort', 'retract' or 'in_place', got {show(mode)}")
         self.paused = True
 
     def resume(self) -> None:
@@ -540,11 +723,13 @@ class EmbeddedCore:
     @staticmethod
     def _check_version(version: Any) -> None:
         # SGLang's versions are strings; the protocol's are integers, sent as str(int)
+        ok = is_int(version) or (isinstance(version, str) and len(version) <= 32)
         try:
-            int(version)
+            ok = ok and int(version) is not None
         except (TypeError, ValueError):
-            raise BadRequest(f"weight_version: expected an integer string, got {version!r}"
-                             ) from None
+            ok = False
+        if not ok:
+            raise BadRequest(f"weight_version: expected an integer string, got {show(version)}")
 
     def set_version(self, version: Any) -> None:
         if version is not None:

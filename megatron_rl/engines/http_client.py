@@ -6,6 +6,10 @@ weight versions are strings on the wire (`weight_version: Optional[str]`), so th
 versions of the protocol are sent as `str(v)`; and `meta_info.weight_versions` gives
 `{version, start, end}` spans over the output tokens when the version changed mid-request,
 which `parse_generate_response` expands to one version per token.
+
+Control calls (`base.CONTROL_ROUTES`) carry `Authorization: Bearer $MEGATRON_RL_ENGINE_TOKEN`
+when that variable is set (an engine off loopback requires it); the token is read from the
+environment only and is never part of a message.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import numpy as np
 import torch
 
 from megatron_rl.engines.base import (
+    CONTROL_ROUTES,
     EngineError,
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    engine_token,
 )
 from megatron_rl.engines.tensors import (
     FLATTENED,
@@ -140,6 +146,8 @@ class HttpEngine:
         self._weight_version = weight_version
         self._http = SessionHolder(f"HttpEngine({self.url})")  # one session for the run
         self._shm: ShmWriter | None = None
+        token = engine_token()
+        self._auth = None if token is None else {"Authorization": f"Bearer {token}"}
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -166,9 +174,10 @@ class HttpEngine:
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s,
                                         sock_connect=self.connect_timeout_s)
         where = f"{method} {self.url}{endpoint}"
+        headers = self._auth if endpoint.split("?")[0] in CONTROL_ROUTES else None
         try:
             async with self._http.get().request(method, self.url + endpoint, json=body,
-                                                timeout=timeout) as resp:
+                                                timeout=timeout, headers=headers) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise EngineError(f"{where} failed with HTTP {resp.status}: {text[:2000]}",

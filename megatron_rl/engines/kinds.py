@@ -56,9 +56,11 @@ class EmbeddedKind:
 
     def command(self, spec: EngineSpec, host: str, port: int
                 ) -> tuple[list[str], dict[str, str], str | None]:
+        # no secret here: the engine token reaches the server through its environment
         cmd = [sys.executable, "-m", "megatron_rl.engines.embedded", "--host", host,
                "--port", str(port), "--weight-version", str(spec.weight_version),
-               "--max-batch-size", str(spec.max_batch_size)]
+               "--max-batch-size", str(spec.max_batch_size),
+               "--control-timeout-s", str(spec.control_timeout_s)]
         cmd += (["--model", str(spec.model_path)] if spec.model_path
                 else ["--random-init", str(spec.random_init), "--seed", str(spec.seed)])
         return cmd, {}, None
@@ -108,8 +110,12 @@ class EngineSpec:
     health_interval_s: float = 2.0
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 3600.0
+    control_timeout_s: float = 120.0        # embedded: group joins / broadcasts (504 after)
     bucket_bytes: int = 512 << 20
     persist_weight_updates: bool = True
+    # the interface the server binds (its IPv4 on the engine's own node); None = Ray's node
+    # IP there (rollout.node_ip / rollout.nic on the driver's node, 127.0.0.1 for local runs)
+    nic: str | None = None
 
     def __post_init__(self) -> None:
         self.engine_kind().validate(self)

@@ -5,6 +5,12 @@ as a child process (the embedded CLI on CPU; `python -m sglang.launch_server` fo
 engine=sglang), using `sglang.ServerProcess` for launching, health polling and stopping. It
 forwards requests to the server with `HttpEngine` and keeps a table of the requests in flight.
 
+The server binds `bind_host(spec)`: the IPv4 of `rollout.nic` on the actor's node, else Ray's
+node IP (rollout.node_ip / rollout.nic on the driver's node; 127.0.0.1 for a local run). Off
+loopback its control routes need `MEGATRON_RL_ENGINE_TOKEN`, which the actor and the server
+inherit from Ray's environment (never a flag, never the actor's arguments); the actor's
+`HttpEngine` sends it.
+
 When the server process dies (or stops answering /health), the actor restarts it on the same
 port and re-queues every in-flight request, so each caller's `generate` still returns a
 complete result. A restarted server starts from the model it was launched with; the actor then
@@ -39,10 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl.distributed.process_groups import free_port
 from megatron_rl.engines.base import (
+    TOKEN_ENV,
     EngineError,
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    engine_token,
+    is_loopback_host,
 )
 from megatron_rl.engines.kinds import EngineSpec
 
@@ -53,6 +62,19 @@ if TYPE_CHECKING:
     from megatron_rl.distributed.ray_placement import EngineSlot, Placement
 
 log = logging.getLogger(__name__)
+
+
+def bind_host(spec: EngineSpec) -> str:
+    """The address an engine server binds on this node: the IPv4 of `spec.nic`, else Ray's
+    node IP (which `init_ray` set from rollout.node_ip / rollout.nic; 127.0.0.1 by default)."""
+    if spec.nic is not None:
+        from megatron_rl.distributed.ray_placement import nic_ipv4
+
+        return nic_ipv4(spec.nic)
+    import ray
+
+    return ray.util.get_node_ip_address()
+
 
 def _no_answer(e: EngineError) -> bool:
     """The server never answered (connection refused/reset, timeout): maybe it died."""
@@ -68,11 +90,15 @@ class EngineActor:
 
     def __init__(self, spec: EngineSpec, name: str, state_dir: str | None = None,
                  host: str | None = None, gpu_ids: list[int] | None = None):
-        import ray
-
         self.spec = spec
         self.name = name
-        self.host = host or ray.util.get_node_ip_address()
+        self.host = host or bind_host(spec)
+        if not is_loopback_host(self.host) and engine_token() is None:
+            # the server would refuse too; say so before starting it
+            raise EngineError(f"engine {name}: binds {self.host}, not loopback, so its control "
+                              f"routes need a token: set {TOKEN_ENV} in the environment Ray "
+                              "starts with on every node (the driver's, before init_ray, or "
+                              "`ray start`'s); actors and their servers inherit it")
         self.port = free_port(self.host)
         self._own_state = state_dir is None
         root = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="megatron-rl-"))
@@ -401,6 +427,7 @@ class EnginePool:
         """One actor per slot; returns once every server answers /health."""
         import ray
 
+        # no token travels here: a runtime_env would store it in Ray's GCS and its agent's log
         remote = ray.remote(EngineActor)
         actors = [remote.options(**slot.options(), max_restarts=0, name=None).remote(
                       spec, f"{name}-{slot.index}", state_dir, None, slot.gpu_ids)
@@ -553,7 +580,7 @@ def engine_spec(cfg: RolloutConfig, *, model_path: str | None = None, engine: st
                       colocated=cfg.layout == "colocated" and gpus is None,
                       max_restarts=cfg.max_restarts, health_interval_s=cfg.health_interval_s,
                       startup_timeout_s=cfg.startup_timeout_s, bucket_bytes=cfg.bucket_mb << 20,
-                      persist_weight_updates=cfg.persist_weight_updates)
+                      persist_weight_updates=cfg.persist_weight_updates, nic=cfg.nic)
 
 
 @dataclass
