@@ -527,3 +527,36 @@ def test_aborting_a_waiting_request_returns_it_empty(server) -> None:
     res = run(scenario())
     assert (res.finish_reason, res.output_ids, res.weight_versions) == ("abort", [], [])
     assert res.routed_experts.shape == (0, 2, 2)
+
+
+def test_the_qwen3_5_hybrid_batches_its_recurrent_states() -> None:
+    """Gated DeltaNet layers keep per-row conv/recurrent states, not a KV cache: rows joining
+    and leaving a running batch keep them aligned, so greedy outputs equal transformers'
+    `generate` of each prompt alone (the hybrid used to fail with an IndexError)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(get_model_spec("tiny-qwen3.5").hf_config()).eval()
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3] * 11]
+    lengths = [12, 5, 9]
+    server = EmbeddedServer(model, max_batch_size=4).start()
+
+    async def run() -> list[list[int]]:
+        engine = HttpEngine(server.url)
+        try:
+            return [r.output_ids for r in await asyncio.gather(*(
+                engine.generate(GenerateRequest(f"h{i}", p, SamplingParams(
+                    max_new_tokens=n, temperature=0.0)))
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))))]
+        finally:
+            await engine.close()
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        server.stop()
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                               min_new_tokens=n)[0, len(p):].tolist()
+                for p, n in zip(prompts, lengths, strict=True)]
+    assert got == want

@@ -56,7 +56,7 @@ def _hf_folder(root, name: str):
     return folder
 
 
-@pytest.mark.parametrize("name", ["tiny-moe"])
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-qwen3.5"])
 def test_train_your_own_model_and_export_it(name, corpus, tmp_path):
     hf = _hf_folder(tmp_path, name)
     out = tmp_path / "run"

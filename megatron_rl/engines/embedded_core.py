@@ -536,7 +536,9 @@ class EmbeddedCore:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         routed = any(s.return_routed for s in group)
         self.stepping = group
-        logits, cache, experts = self._forward(ids, mask, pos, DynamicCache(), routed)
+        # the model's own layer kinds: Qwen3.5's Gated DeltaNet layers keep recurrent states
+        logits, cache, experts = self._forward(ids, mask, pos,
+                                               DynamicCache(config=self.model.config), routed)
         if experts is not None:
             for i, s in enumerate(group):
                 s.routed = list(experts[i, width - len(toks[i]):].numpy().astype(np.int32))
@@ -614,10 +616,15 @@ class EmbeddedCore:
             return
         idx = torch.tensor(rows)
         mask = mask[idx]
-        new_layers = [(layer.keys[idx], layer.values[idx]) for layer in cache.layers]
+        for layer in cache.layers:
+            if _is_recurrent(layer):
+                _map_states(layer, lambda x: x[idx])
+        new_layers = [(layer.keys[idx], layer.values[idx]) if not _is_recurrent(layer) else None
+                      for layer in cache.layers]
         if not self.batch:
-            for layer, (k, v) in zip(cache.layers, new_layers):
-                layer.keys, layer.values = k, v
+            for layer, kv in zip(cache.layers, new_layers, strict=True):
+                if kv is not None:
+                    layer.keys, layer.values = kv
             self.batch, self.cache, self.mask = list(seqs), cache, mask
             self.max_running = max(self.max_running, len(self.batch))
             return
@@ -631,13 +638,19 @@ class EmbeddedCore:
             shape[dim] = width - t
             return torch.cat([x.new_zeros(shape), x], dim)
 
-        # computed before anything is assigned: a failure leaves the running batch intact
-        merged = [(torch.cat([pad(layer.keys, t_old, 2), pad(k, t_new, 2)], 0),
-                   torch.cat([pad(layer.values, t_old, 2), pad(v, t_new, 2)], 0))
-                  for layer, (k, v) in zip(self.cache.layers, new_layers)]
+        # computed before anything is assigned: a failure leaves the running batch intact;
+        # a recurrent layer's states have no time axis: rows are only stacked
+        merged = [(torch.cat([pad(layer.keys, t_old, 2), pad(kv[0], t_new, 2)], 0),
+                   torch.cat([pad(layer.values, t_old, 2), pad(kv[1], t_new, 2)], 0))
+                  if kv is not None else _stacked_states(layer, new)
+                  for layer, new, kv in zip(self.cache.layers, cache.layers, new_layers,
+                                            strict=True)]
         merged_mask = torch.cat([pad(self.mask, t_old, 1), pad(mask, t_new, 1)], 0)
-        for layer, (k, v) in zip(self.cache.layers, merged):
-            layer.keys, layer.values = k, v
+        for layer, m in zip(self.cache.layers, merged, strict=True):
+            if _is_recurrent(layer):
+                layer.conv_states, layer.recurrent_states = m
+            else:
+                layer.keys, layer.values = m
         self.mask = merged_mask
         self.batch.extend(seqs)
         self.max_running = max(self.max_running, len(self.batch))
@@ -656,6 +669,9 @@ class EmbeddedCore:
         start = int((mask.sum(0) > 0).nonzero()[0])
         self.mask = mask[:, start:]
         for layer in self.cache.layers:
+            if _is_recurrent(layer):
+                _map_states(layer, lambda x: x[idx])
+                continue
             layer.keys = layer.keys[idx, :, start:]
             layer.values = layer.values[idx, :, start:]
 
@@ -763,3 +779,22 @@ class EmbeddedCore:
                 "waiting": [s.rid for s in self.pending],
                 "return_original_logprob": self.return_original_logprob,
                 "context_length": self.context_length}
+
+
+def _is_recurrent(layer: Any) -> bool:
+    """A linear-attention (Gated DeltaNet) cache layer: conv and recurrent states per row."""
+    return hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
+
+
+def _map_states(layer: Any, fn: Any) -> None:
+    for states in (layer.conv_states, layer.recurrent_states):
+        for i, x in states.items():
+            if x is not None:
+                states[i] = fn(x)
+
+
+def _stacked_states(old: Any, new: Any) -> tuple[dict, dict]:
+    """The running rows' states followed by the new rows' (batch axis first)."""
+    return tuple({i: torch.cat([a[i], b[i]], 0) if a[i] is not None else b[i] for i in a}
+                 for a, b in ((old.conv_states, new.conv_states),
+                              (old.recurrent_states, new.recurrent_states)))
