@@ -465,3 +465,27 @@ def test_chat_summarizer_body_is_bounded():
     s = ChatSummarizer("http://127.0.0.1:1/v1", "m", max_input_chars=100)
     body = s.build_body(Page("u", "t", "word " * 1000), "")
     assert len(body["messages"][1]["content"]) < 300
+
+
+def test_oversized_bodies_are_refused_unread():
+    """A page or result past the client's cap is a labelled failure, not parsed (the chat
+    client caps judge replies the same way)."""
+    fake = FakeServer()
+    big = {"results": [{"title": "x", "url": "u", "snippet": "s" * 1000, "score": 1.0}] * 2000}
+    fake.on("/search", Reply(200, big))
+
+    async def scenario() -> tuple[ToolResult, ToolResult]:
+        async with serving(fake) as url:
+            small = HttpSearch(url, reliability=ReliabilityConfig(max_retries=0, **FAST))
+            small.http.max_body_bytes = 1 << 20
+            refused = await small(query="q")
+            ok = HttpSearch(url, reliability=ReliabilityConfig(max_retries=0, **FAST))
+            accepted = await ok(query="q")  # ~2 MB fits the default 16 MiB cap
+            await small.close()
+            await ok.close()
+            return refused, accepted
+
+    refused, accepted = run(scenario())
+    assert not refused.ok and refused.error == "search_error"
+    assert "exceeds the 1048576-byte cap" in refused.detail
+    assert accepted.ok

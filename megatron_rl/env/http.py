@@ -16,8 +16,10 @@ from megatron_rl.utils.secrets import excerpt, redact
 class HttpClient:
     """One aiohttp session for the life of the run (see `SessionHolder`); `name` labels errors."""
 
-    def __init__(self, *, connect_timeout_s: float = 10.0, name: str = "HttpClient"):
+    def __init__(self, *, connect_timeout_s: float = 10.0, name: str = "HttpClient",
+                 max_body_bytes: int = 16 << 20):
         self.connect_timeout_s = connect_timeout_s
+        self.max_body_bytes = max_body_bytes  # a page or result past it is refused unread
         self._http = SessionHolder(name, timeout=aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout_s))
 
@@ -38,8 +40,19 @@ class HttpClient:
         try:
             async with self.session().request(method, url, json=json_body,
                                               headers=headers) as resp:
-                body = await resp.text(errors="replace")
                 status = resp.status
+                declared = resp.content_length
+                if declared is not None and declared > self.max_body_bytes:
+                    raise ToolError(label, f"{where}: response of {declared} bytes exceeds "
+                                    f"the {self.max_body_bytes}-byte cap", status=status)
+                raw = await _read_capped(resp, self.max_body_bytes)
+                if raw is None:
+                    raise ToolError(label, f"{where}: response exceeds the "
+                                    f"{self.max_body_bytes}-byte cap", status=status)
+                try:
+                    body = raw.decode(resp.charset or "utf-8", errors="replace")
+                except LookupError:  # a charset name Python does not know
+                    body = raw.decode("utf-8", errors="replace")
                 retry_after = parse_retry_after(resp.headers.get("Retry-After"))
         except aiohttp.ClientConnectionError as e:
             if isinstance(e, aiohttp.ServerTimeoutError):
@@ -68,3 +81,14 @@ class HttpClient:
         except RecursionError:
             raise ToolError(label, f"{where}: response is JSON nested too deeply",
                             status=status) from None
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes | None:
+    """The whole body, or None as soon as it passes `cap` bytes (the rest is never read)."""
+    chunks, size = [], 0
+    while chunk := await resp.content.read(min(1 << 20, cap + 1 - size)):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > cap:
+            return None
+    return b"".join(chunks)
