@@ -1,0 +1,267 @@
+"""Teacher trajectories (`megatron-rl data teacher`): the run's real agent (ReAct or IterSynth)
+with the real search and visit tools, driven by a teacher instead of the policy, written as the
+same trajectory JSONL the RL loop dumps (the input of filters and SFT).
+
+- The oracle teacher (the embedded world, or any question that carries its path): an engine
+  whose every message follows the known path. ReAct: search the question, visit the first
+  support page, then per hop search the bridge entity the visited page named and visit its
+  page, then answer. IterSynth: the Planner does the same one call per step and the
+  Synthesizer keeps, as notes, the sentences of the new evidence that name a bridge entity or
+  the answer. The queries and observations are real (real index, real pages); a trajectory
+  records in `metadata["teacher"]["grounded"]` whether every visited URL had appeared in an
+  earlier observation (a demonstration a policy could follow).
+- Any OpenAI-compatible teacher (`--teacher-url`): the same agent over that chat model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.agents.base import AgentConfig
+from megatron_rl.agents.registry import AGENTS
+from megatron_rl.engines.base import (
+    GenerateRequest,
+    GenerateResult,
+    NoServerControl,
+    SamplingParams,
+)
+from megatron_rl.records.prompt import Prompt
+from megatron_rl.records.trajectory import Trajectory
+from megatron_rl.rewards.composite import build_judge, judge_trajectory
+
+_SENTENCE = re.compile(r"[^\n]+?(?:\.(?=\s)|\n|$)")
+_LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
+MAX_NOTE_SENTENCES = 4
+
+
+@dataclass
+class OraclePath:
+    """What the oracle knows of a question: its support pages in hop order, the bridge entity
+    each hop leads to (the answer excluded) and the answer."""
+
+    support: list[str]
+    bridges: list[str]
+    answer: str
+    goals: list[str] = field(default_factory=list)
+
+
+def oracle_messages(question: str, path: OraclePath, family: Any, agent: str) -> list[str]:
+    """The teacher's messages in episode order (IterSynth's Synthesizer turns are written
+    from the evidence at run time, so only the Planner's are here)."""
+    calls = [("search", {"query": question})]
+    for k, url in enumerate(path.support):
+        goal = path.goals[k] if k < len(path.goals) else "find the next fact the question needs"
+        calls.append(("visit", {"url": url, "goal": goal}))
+        if k < len(path.bridges) and k + 1 < len(path.support):
+            calls.append(("search", {"query": path.bridges[k]}))
+    out = [f"{why(name, args)}\n{family.tool_call(name, args)}" for name, args in calls]
+    out.append(f"The evidence answers the question.\n<answer>{path.answer}</answer>")
+    return out
+
+
+def why(name: str, args: dict[str, Any]) -> str:
+    return (f"I should search for {args['query']}." if name == "search"
+            else f"I will read {args['url']}.")
+
+
+class OracleEngine(NoServerControl):
+    """A `RolloutEngine` that writes the oracle's messages: message k of episode `uid` (the
+    request id is `uid/k`, as agents number them) is the k-th planned step; IterSynth's
+    Synthesizer turns (odd k) are notes drawn from the evidence in the context."""
+
+    weight_version = 0
+
+    def __init__(self, tokenizer: Any, agent: str):
+        self.tokenizer, self.agent = tokenizer, agent
+        self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.plans: dict[str, list[str]] = {}
+        self.paths: dict[str, OraclePath] = {}
+        self.planner_steps: dict[str, int] = {}
+
+    def plan(self, uid: str, messages: list[str], path: OraclePath) -> None:
+        self.plans[uid], self.paths[uid] = messages, path
+
+    def _text(self, uid: str, k: int, context: str) -> str:
+        plan = self.plans[uid]
+        if self.agent != "itersynth":
+            return plan[min(k, len(plan) - 1)]
+        last_user = context.rsplit("<|im_start|>user", 1)[-1]
+        if "New evidence:" not in last_user:  # a Planner turn: the next planned call
+            step = self.planner_steps.get(uid, 0)
+            self.planner_steps[uid] = step + 1
+            return plan[min(step, len(plan) - 1)]
+        p = self.paths[uid]
+        evidence = _LINK.sub(r"\1", last_user.rsplit("New evidence:", 1)[-1])
+        keep = [s.strip() for s in _SENTENCE.findall(evidence)
+                if any(x and x in s for x in (*p.bridges, p.answer))]
+        keep = list(dict.fromkeys(keep))[:MAX_NOTE_SENTENCES]
+        return "Notes: " + (" ".join(keep) or "nothing new yet.")
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        uid, _, k = req.rid.rpartition("/")
+        context = self.tokenizer.decode(req.input_ids, skip_special_tokens=False)
+        ids = [*self.tokenizer.encode(self._text(uid, int(k), context),
+                                      add_special_tokens=False), self.end_id]
+        finish = "stop"
+        if len(ids) > req.sampling.max_new_tokens:
+            ids, finish = ids[:req.sampling.max_new_tokens], "length"
+        return GenerateResult(req.rid, ids, [0.0] * len(ids), finish, [0] * len(ids),
+                              prompt_tokens=len(req.input_ids))
+
+    async def update_weights_from_tensors(self, named_tensors: Any, weight_version: int) -> None:
+        raise NotImplementedError("the oracle teacher takes no weights")
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        raise NotImplementedError("the oracle teacher takes no weights")
+
+
+def grounded(traj: Trajectory) -> bool:
+    """Every visited URL appeared in an observation before the visit."""
+    seen = ""
+    for turn in traj.turns:
+        for call in turn.tool_calls:
+            if call.name == "visit" and str(call.arguments.get("url")) not in seen:
+                return False
+            seen += call.observation or ""
+    return True
+
+
+def path_of(prompt: Prompt) -> OraclePath | None:
+    """A prompt's path from its metadata (`support`, `facts`), as world questions and
+    synthesized rows carry it; None when it has none."""
+    meta = {**prompt.metadata, **prompt.metadata.get("extra_info", {})}
+    support = meta.get("support") or []
+    if not support:
+        return None
+    return OraclePath(list(support), list(meta.get("facts") or []), prompt.answer)
+
+
+async def run_teacher(prompts: Sequence[Prompt], agent: Any, engine: Any, *, oracle: bool,
+                      judge: Any, out: Path, concurrency: int = 8,
+                      progress: bool = True) -> dict[str, int]:
+    """Run `agent` on every prompt with `engine` (an `OracleEngine` when `oracle`), judge the
+    answers, append the trajectories to `out` (JSONL, `step` 0). Returns counts."""
+    from tqdm import tqdm
+
+    counts = {"prompts": len(prompts), "written": 0, "correct": 0, "grounded": 0,
+              "no_path": 0}
+    sem = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=len(prompts), desc="teacher", disable=not progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    async def one(p: Prompt) -> Trajectory | None:
+        async with sem:
+            if oracle:
+                path = path_of(p)
+                if path is None:
+                    counts["no_path"] += 1
+                    return None
+                engine.plan(p.uid, oracle_messages(p.question, path, agent.chat.family,
+                                                   engine.agent), path)
+            traj = await agent.run(p.question, p.answer, engine, group_id=p.uid, uid=p.uid,
+                                   **({"messages": p.messages} if p.messages else {}))
+            traj.metadata.update(p.metadata)
+            await judge_trajectory(traj, judge)
+            traj.metadata["teacher"] = {"kind": "oracle" if oracle else "model",
+                                        "grounded": grounded(traj)}
+            bar.update(1)
+            return traj
+
+    with out.open("a") as f:
+        for traj in await asyncio.gather(*(one(p) for p in prompts)):
+            if traj is None:
+                continue
+            counts["written"] += 1
+            counts["correct"] += traj.rewards.get("outcome", 0.0) >= 1.0
+            counts["grounded"] += traj.metadata["teacher"]["grounded"]
+            row = traj.to_dict()
+            for turn in row["turns"]:
+                turn.pop("routed_experts", None)
+            f.write(json.dumps({"step": 0, **row}, allow_nan=False) + "\n")
+    bar.close()
+    return counts
+
+
+def world_prompts(pages: int, seed: int, n: int) -> tuple[list[Prompt], Any]:
+    from megatron_rl.data.world import generate_world
+
+    world = generate_world(num_docs=pages, seed=seed)
+    qs = list({q.question: q for q in world.questions(n, seed=seed)}.values())
+    return [Prompt(q.question, q.answer, f"w{i}", metadata={
+        "support": list(q.support), "facts": list(q.facts), "kind": q.kind})
+        for i, q in enumerate(qs)], world
+
+
+def main(args: argparse.Namespace) -> int:
+    from megatron_rl.agents.tokenizer import run_tokenizer
+    from megatron_rl.data.parquet import read_prompts
+    from megatron_rl.data.world import build_world_index
+    from megatron_rl.env.search import LocalSearch
+    from megatron_rl.env.visit import LocalPages, Visit
+
+    t0 = time.time()
+    tokenizer = run_tokenizer(args.tokenizer, "tiny-moe", vocab_size=args.vocab_size)
+    out = Path(args.out)
+    if args.questions:
+        prompts = read_prompts(args.questions)
+        if not args.index:
+            raise ValueError("--index: a search index is needed with --questions")
+        index = Path(args.index)
+    else:
+        prompts, world = world_prompts(args.pages, args.seed, args.num_questions)
+        index = Path(args.index) if args.index else \
+            build_world_index(world, out.parent / f"world-{args.pages}-{args.seed}")
+    tools = [LocalSearch(index), Visit(LocalPages(index))]
+    cfg = AgentConfig(max_turns=args.max_turns, max_context_tokens=args.max_context_tokens,
+                      sampling=SamplingParams(temperature=0.0,
+                                              max_new_tokens=args.max_new_tokens))
+    agent = AGENTS.get(args.agent, "--agent")(tokenizer, tools, cfg)
+    if args.teacher_url:
+        from megatron_rl.engines.openai_chat import OpenAIChatEngine
+        from megatron_rl.utils.chat_client import ChatClient, ClientConfig
+
+        engine: Any = OpenAIChatEngine(ChatClient(ClientConfig(
+            base_url=args.teacher_url, model=args.teacher_model,
+            api_key_env=args.api_key_env)), tokenizer)
+    else:
+        engine = OracleEngine(tokenizer, args.agent)
+    judge = build_judge(None)
+    counts = asyncio.run(run_teacher(prompts[:args.limit] if args.limit else prompts, agent,
+                                     engine, oracle=not args.teacher_url, judge=judge,
+                                     out=out, concurrency=args.concurrency))
+    print(f"[teacher] {args.agent}: {counts['written']} trajectories of {counts['prompts']} "
+          f"prompts ({counts['correct']} correct, {counts['grounded']} grounded, "
+          f"{counts['no_path']} without a path) -> {out} in {time.time() - t0:.1f}s")
+    return 0
+
+
+def add_teacher_parser(sub: Any) -> None:
+    t = sub.add_parser("teacher", help="teacher trajectories: the oracle over the embedded "
+                       "world (or questions with their path), or any OpenAI-compatible teacher")
+    t.add_argument("--out", required=True, help="trajectory JSONL to append to")
+    t.add_argument("--agent", default="react", help="react or itersynth")
+    t.add_argument("--questions", help="verl parquet/JSONL (default: the world's questions)")
+    t.add_argument("--index", help="search index folder (default: the generated world's)")
+    t.add_argument("--pages", type=int, default=300)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--num-questions", dest="num_questions", type=int, default=64)
+    t.add_argument("--limit", type=int, default=0)
+    t.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: built-in)")
+    t.add_argument("--vocab-size", dest="vocab_size", type=int, default=512,
+                   help="the policy's vocabulary (the tokenizer must fit it)")
+    t.add_argument("--teacher-url", dest="teacher_url", default=None)
+    t.add_argument("--teacher-model", dest="teacher_model", default="default")
+    t.add_argument("--api-key-env", dest="api_key_env", default=None)
+    t.add_argument("--max-turns", dest="max_turns", type=int, default=12)
+    t.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=512)
+    t.add_argument("--max-context-tokens", dest="max_context_tokens", type=int, default=8192)
+    t.add_argument("--concurrency", type=int, default=8)
+    t.set_defaults(func=main)
