@@ -310,11 +310,37 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--temperature", type=float, default=0.0)
     ev.set_defaults(func=_eval)
 
+    _add_data_commands(sub)
+
     q = sub.add_parser("quickstart", help="the embedded default on this machine's CPUs")
     q.add_argument("overrides", nargs="*")
     q.add_argument("--nproc", type=int, default=2)
     q.set_defaults(func=_quickstart)
     return p
+
+
+def _add_data_commands(sub: Any) -> None:
+    """`megatron-rl data ...`: the data pipeline (each command's parser lives with its code)."""
+    from megatron_rl.data.climb import add_climb_parser
+    from megatron_rl.teacher import add_teacher_parser
+
+    d = sub.add_parser("data", help="the data pipeline: world, synthesize, teacher, filter, "
+                       "climb")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    for add in (add_teacher_parser, add_climb_parser):
+        add(dsub)
+    for action in dsub.choices.values():  # bad input is an error that names it, not a trace
+        action.set_defaults(func=_user_errors(action.get_default("func")))
+
+
+def _user_errors(func: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except ValueError as e:
+            print(f"megatron-rl: {e}", file=sys.stderr)
+            return 2
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,6 +74,11 @@ def test_round_trip_is_bit_exact_and_reloads(model, converted, tmp_path):
     assert config["architectures"] == [ARCHITECTURES[model]]
     assert (back / "generation_config.json").is_file()
     assert report["tensors"] == len(original)
+    # save_pretrained writes per-expert keys: recorded so, exported so
+    manifest = json.loads((mcore / "manifest.json").read_text())
+    assert set(manifest["hf_layout"].values()) == ({"per_expert"} if model != "tiny-dense"
+                                                   else set())
+    assert report["hf_layout"] == manifest["hf_layout"]
     generated = get_pool(1).run(cc.hf_generates, str(back))[0]
     assert generated[:3] == [1, 2, 3] and len(generated) == 8
 

@@ -4,6 +4,11 @@
   checkpoint, one tensor in memory at a time; megatron reshards it to any layout on load.
 * `export_hf` (one process) streams a torch_dist checkpoint layer by layer into safetensors
   shards + index + config + generation config + tokenizer files, in a temp folder it renames.
+
+Routed experts may be stored per expert or fused, per group (`HfLayout`). The import detects
+the layout and records it in the checkpoint's manifest (`hf_layout`); training checkpoints
+carry it on (`load_checkpoint` → `save_checkpoint`), and the export writes it back, so a
+folder round-trips to its own keys. A checkpoint without one exports per-expert.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +28,7 @@ import torch
 
 from megatron_rl.checkpoint.errors import WeightMapError
 from megatron_rl.checkpoint.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_tokenizer
-from megatron_rl.checkpoint.weight_map import WeightMap
+from megatron_rl.checkpoint.weight_map import EXPERT_LAYOUTS, HfLayout, WeightMap
 from megatron_rl.models.registry import HF_CLASSES, ModelSpec
 
 
@@ -48,9 +54,10 @@ def import_hf(hf_dir: str, out_dir: str, model_name: str | ModelSpec, dtype: str
     spec = model_name if isinstance(model_name, ModelSpec) else get_model_spec(model_name)
     wmap = WeightMap(spec)
     hf = HFCheckpoint(hf_dir)
-    hf.check(wmap, (HF_CLASSES[spec.architecture][1], *_vl_names(spec)), _model_types(spec))
+    layout = hf.check(wmap, (HF_CLASSES[spec.architecture][1], *_vl_names(spec)),
+                      _model_types(spec))
     out_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    planner = _StreamingImportPlanner(wmap, hf, out_dtype, progress)
+    planner = _StreamingImportPlanner(wmap, hf, layout, out_dtype, progress)
 
     def write(folder: Path) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
@@ -69,13 +76,15 @@ def import_hf(hf_dir: str, out_dir: str, model_name: str | ModelSpec, dtype: str
     out = Path(out_dir)
     info = {"step": 0, "model": spec.name, "contents": ["model"], "source": str(hf_dir),
             "layout": {"world": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "cp": 1, "dp": 1,
-                       "distributed_optimizer": 0}}
+                       "distributed_optimizer": 0},
+            "hf_layout": layout.to_json()}
     write_sharded(None, out.parent, out.name, info, update_latest=False, save=write)
     planner.bar.close()
     seconds = time.time() - t0
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     return {"tensors": planner.written, "bytes": size, "seconds": seconds,
-            "mb_per_s": size / 1e6 / max(seconds, 1e-9), "peak_rss_mb": _peak_rss_mb()}
+            "mb_per_s": size / 1e6 / max(seconds, 1e-9), "peak_rss_mb": _peak_rss_mb(),
+            "hf_layout": layout.to_json()}
 
 
 COMMON_STATE = "common_state/shard_0_1"  # megatron's ShardedObject("common_state").unique_key
@@ -85,10 +94,11 @@ class _StreamingImportPlanner:
     """A torch.distributed.checkpoint SavePlanner whose items are (key, layer[, expert])
     chunks computed from the HF folder on demand (`resolve_data`), never all at once."""
 
-    def __init__(self, wmap: WeightMap, hf: HFCheckpoint, dtype: torch.dtype, progress: bool):
+    def __init__(self, wmap: WeightMap, hf: HFCheckpoint, layout: HfLayout, dtype: torch.dtype,
+                 progress: bool):
         from tqdm import tqdm
 
-        self.wmap, self.hf, self.dtype = wmap, hf, dtype
+        self.wmap, self.hf, self.layout, self.dtype = wmap, hf, layout, dtype
         # (key, chunk offsets) → (entry, logical index, position in entry.keys, chunk size)
         self.chunks: dict[tuple[str, tuple[int, ...]], tuple[Any, tuple[int, ...], int,
                                                             tuple[int, ...]]] = {}
@@ -163,12 +173,17 @@ class _StreamingImportPlanner:
         key, offsets = item.index.fqn, tuple(item.index.offset)
         entry, index, position, chunk = self.chunks[(key, offsets)]
         if (entry.keys, index) != self.cache_key:  # GDN sections / q,k,v share one HF read
-            self.cache = self.wmap.to_megatron(entry, index, self.hf.get)
+            self.cache = self.wmap.to_megatron(entry, index, self._read)
             self.cache_key = (entry.keys, index)
         tensor = self.cache[position].to(self.dtype).contiguous()
         self.written += 1
         self.bar.update(1)
         return tensor.reshape(chunk)
+
+    def _read(self, name: str) -> torch.Tensor:
+        """An HF tensor by its per-expert name; in a fused group just that expert's slice."""
+        fused = self.layout.source(name)
+        return self.hf.get(name) if fused is None else self.hf.get_slice(*fused)
 
 
 def _vl_names(spec: ModelSpec) -> tuple[str, ...]:
@@ -186,9 +201,14 @@ def _model_types(spec: ModelSpec) -> tuple[str, ...]:
 def export_hf(ckpt_dir: str, out_dir: str, model_name: str | ModelSpec,
               tokenizer_dir: str | None = None,
               dtype: str | None = None, max_shard_bytes: int = 2 << 30,
-              overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+              overwrite: bool = False, progress: bool = True,
+              hf_layout: str | Mapping[str, str] | None = None) -> dict[str, Any]:
     """torch_dist checkpoint → HF folder, one layer in memory at a time. One process, no
-    process group: the checkpoint is read with torch.distributed.checkpoint directly."""
+    process group: the checkpoint is read with torch.distributed.checkpoint directly.
+
+    Routed experts are written in `hf_layout`: 'per_expert' or 'fused' for every group, or a
+    table group → layout; by default the one the checkpoint's manifest records (the HF source
+    the weights were imported from), else per-expert."""
     from tqdm import tqdm
     from transformers import GenerationConfig
 
@@ -202,6 +222,7 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str | ModelSpec,
     manifest = verify_checkpoint(src)
     if manifest.get("model") not in (None, spec.name):
         raise WeightMapError(f"{src} holds model '{manifest['model']}', not '{spec.name}'")
+    layout = _export_layout(wmap, hf_layout, manifest, src)
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite to replace it)")
@@ -228,7 +249,8 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str | ModelSpec,
     # one read per layer (all its keys; routed experts come as one [experts, ...] block)
     groups: dict[Any, list] = {}
     for entry, index in units:
-        groups.setdefault(index[:1] if index else entry.keys, []).append((entry, index))
+        groups.setdefault((entry.layer_type == "mtp", index[0]) if index else entry.keys,
+                          []).append((entry, index))
     for group in groups.values():
         regions = {}
         for entry, index in group:
@@ -240,6 +262,7 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str | ModelSpec,
                 else:
                     regions[key] = ((0,) * len(shape), shape)
         loaded = read_regions(src, regions, metadata)
+        layer: dict[str, torch.Tensor] = {}
         for entry, index in group:
             layer_axis = wmap.has_layer_axis(entry)
             tensors = []
@@ -250,9 +273,10 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str | ModelSpec,
                 if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
                     tensor = tensor[: spec.vocab_size]  # drop TP vocab padding
                 tensors.append(tensor)
-            for name, t in wmap.to_hf(entry, index, tensors).items():
-                writer.add(name, t.to(out_dtype) if out_dtype else t)
+            layer.update(wmap.to_hf(entry, index, tensors))
             bar.update(1)
+        for name, t in layout.pack(layer).items():  # fused groups: a whole layer's experts
+            writer.add(name, t.to(out_dtype) if out_dtype else t)
     bar.close()
     files = writer.close()
 
@@ -267,7 +291,21 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str | ModelSpec,
     seconds = time.time() - t0
     return {"files": files, "tokenizer_files": tokenizer, "bytes": writer.total_bytes,
             "seconds": seconds, "mb_per_s": writer.total_bytes / 1e6 / max(seconds, 1e-9),
-            "peak_rss_mb": _peak_rss_mb(), "tensors": len(wmap.hf_names())}
+            "peak_rss_mb": _peak_rss_mb(), "tensors": len(layout.file_shapes()),
+            "hf_layout": layout.to_json()}
+
+
+def _export_layout(wmap: WeightMap, asked: str | Mapping[str, str] | None,
+                   manifest: dict[str, Any], src: Path) -> HfLayout:
+    if isinstance(asked, str):
+        if asked not in EXPERT_LAYOUTS:
+            raise WeightMapError(f"hf_layout={asked!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
+        return HfLayout.uniform(wmap, asked)
+    if asked is not None:
+        return HfLayout(wmap, asked, "hf_layout")
+    if "hf_layout" in manifest:
+        return HfLayout.from_json(wmap, manifest["hf_layout"], f"{src / 'manifest.json'}")
+    return HfLayout.uniform(wmap)
 
 
 def read_metadata(folder: Path) -> dict[str, Any]:

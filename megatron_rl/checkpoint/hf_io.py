@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.checkpoint.errors import HFCheckpointError
-from megatron_rl.checkpoint.weight_map import WeightMap
+from megatron_rl.checkpoint.weight_map import FUSED, PER_EXPERT, HfLayout, WeightMap
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -204,13 +204,52 @@ class HFCheckpoint:
         except SafetensorError as e:  # e.g. the file changed after it was checked
             raise HFCheckpointError(f"{self.path / file}: tensor {stored}: {e}") from e
 
+    def get_slice(self, name: str, index: tuple[int | slice, ...]) -> torch.Tensor:
+        """`tensor[index]` read without reading the rest (one expert of a fused tensor)."""
+        if name not in self.weight_map:
+            raise HFCheckpointError(f"{self.path}: tensor '{name}' is missing")
+        from safetensors import SafetensorError
+
+        file, stored = self.weight_map[name]
+        try:
+            with self._open(self.path / file, "pt") as f:
+                return f.get_slice(stored)[index]
+        except SafetensorError as e:
+            raise HFCheckpointError(f"{self.path / file}: tensor {stored}: {e}") from e
+
     def shape(self, name: str) -> tuple[int, ...]:
         file, stored = self.weight_map[name]
         return tuple(self.headers[file][stored]["shape"])
 
+    def _where(self, name: str) -> str:
+        file, stored = self.weight_map[name]
+        return f"{stored} in {file}"
+
+    def detect_layout(self, wmap: WeightMap) -> HfLayout:
+        """Per routed-expert group, from the tensor names alone: any `<group>.<digits>.…` is
+        per-expert, any other `<group>.…` (`gate_up_proj`, `down_proj`) fused; both in one
+        group is an error. A group with no tensors at all counts as per-expert (the check
+        then names its first missing tensor)."""
+        found: dict[str, tuple[list[str], list[str]]] = {
+            g: ([], []) for g in wmap.expert_groups()}
+        for name in self.weight_map:
+            group, _, rest = name.rpartition(".mlp.experts.")
+            if group and (g := f"{group}.mlp.experts") in found:
+                found[g][0 if rest.split(".")[0].isdigit() else 1].append(name)
+        layouts = {}
+        for group, (per, fused) in found.items():
+            if per and fused:
+                raise HFCheckpointError(
+                    f"{self.path}: routed-expert group {group} mixes per-expert tensors "
+                    f"({self._where(min(per))}) with fused ones ({self._where(min(fused))}); "
+                    "a group must be all per-expert or all fused")
+            layouts[group] = FUSED if fused else PER_EXPERT
+        return HfLayout(wmap, layouts, str(self.path))
+
     def check(self, wmap: WeightMap, expected_architectures: tuple[str, ...],
-              model_types: tuple[str, ...] = ()) -> None:
-        """Architecture, tensor set and every shape must match the registry entry.
+              model_types: tuple[str, ...] = ()) -> HfLayout:
+        """Architecture, tensor set and every shape must match the registry entry, in the
+        expert layout the folder uses (returned).
 
         A config.json without `architectures` passes only for a caller that named the model
         (`model_types`: the model_type values of that registry entry) and a config whose
@@ -231,7 +270,8 @@ class HFCheckpoint:
                     f"{found or 'missing'} does not confirm model '{wmap.spec.name}' "
                     f"(expects architectures {list(expected_architectures)} or model_type "
                     f"{list(model_types)})")
-        expected = wmap.hf_shapes()
+        layout = self.detect_layout(wmap)
+        expected = layout.file_shapes()
         skipped = ("model.visual",) + (() if wmap.spec.mtp_num_layers else ("mtp.",))
         have = {n for n in self.weight_map if not n.startswith(skipped)}
         if wmap.spec.tie_word_embeddings:
@@ -239,8 +279,13 @@ class HFCheckpoint:
         missing = sorted(set(expected) - have)
         extra = sorted(have - set(expected))
         if missing:
+            group = next((g for g in layout.groups if missing[0].startswith(g + ".")), None)
+            hint = (f"; routed-expert group {group} has no tensors at all (neither "
+                    f"per-expert nor fused {group}.gate_up_proj)"
+                    if group and not any(n.startswith(group + ".") for n in have) else "")
             raise HFCheckpointError(f"{self.path}: missing tensor {missing[0]}"
-                                    + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+                                    + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
+                                    + hint)
         if extra:
             raise HFCheckpointError(f"{self.path}: unexpected tensor {extra[0]} for model "
                                     f"'{wmap.spec.name}'"
@@ -249,7 +294,9 @@ class HFCheckpoint:
             found = self.shape(name)
             if found != shape:
                 raise HFCheckpointError(f"{self.path}: tensor {name} has shape {list(found)}, "
-                                        f"expected {list(shape)} for model '{wmap.spec.name}'")
+                                        f"expected {list(shape)} for model '{wmap.spec.name}' "
+                                        f"(in {self.weight_map[name][0]})")
+        return layout
 
 
 class ShardedSafetensorsWriter:

@@ -5,7 +5,9 @@ Layout of a run's checkpoint folder:
     <dir>/latest              "step_000012"
 A save writes `<dir>/.tmp-step_000012/`, checksums every file into manifest.json, then renames
 the folder; a folder without a manifest is never loaded. Holds model, optimizer, LR schedule,
-per-rank RNG states, step and any caller progress (e.g. the data cursor).
+per-rank RNG states, step and any caller progress (e.g. the data cursor). The manifest also
+carries `hf_layout`, the expert layout of the HF folder the weights were imported from: loading
+a checkpoint keeps it on the actor and its saves write it on, so an export writes that layout.
 
 A checkpoint folder is untrusted input: it must hold exactly the files its manifest lists, and
 it is read through `safe_io` (no pickled object beyond plain data is ever built).
@@ -310,6 +312,9 @@ def save_checkpoint(actor, root: str | Path, progress: dict[str, Any] | None = N
     state["layout"] = _layout(actor)
     info = {"step": actor.step, "layout": _layout(actor), "model": actor.spec.name,
             "contents": contents}
+    hf_layout = getattr(actor, "hf_layout", None)
+    if hf_layout is not None:  # the HF expert layout of the weights' source, for export
+        info["hf_layout"] = hf_layout
     return write_sharded(state, Path(root), f"step_{actor.step:06d}", info, keep_last)
 
 
@@ -387,6 +392,11 @@ def load_checkpoint(actor, path: str | Path, *, optimizer: bool = True, rng: boo
     # a refusal here names file and class; inside megatron's load DCP would wrap it
     load_dcp_metadata(folder / METADATA_FILE)
     contents = manifest["contents"]
+    hf_layout = manifest.get("hf_layout")
+    if hf_layout is not None and not (isinstance(hf_layout, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in hf_layout.items())):
+        raise CheckpointError(f"{folder / MANIFEST}: hf_layout is not a table of expert "
+                              "group → layout")
     optimizer = optimizer and "optimizer" in contents  # e.g. a model converted from HF
     rng = rng and "rng" in contents
     same_layout = manifest.get("layout") == _layout(actor)
@@ -435,4 +445,6 @@ def load_checkpoint(actor, path: str | Path, *, optimizer: bool = True, rng: boo
         _set_rng_state(loaded["rng"])
     progress = dict(loaded.get("progress", {"step": 0}))
     actor.step = int(progress["step"])
+    # kept for the actor's own checkpoints, so their export writes the source's layout
+    actor.hf_layout = hf_layout
     return progress

@@ -15,13 +15,19 @@ An `Entry` ties one group of Megatron keys to one group of HF tensors:
   qkv        1 key (linear_qkv) ⇄ q, k, v                           (interleaved per GQA group)
   gated_qkv  as qkv, but q_proj carries the output gate per head (Qwen3.5 gated attention)
   split      N keys (GDN in_proj / conv1d sections) ⇄ 1 tensor       (stacked on dim 0)
+
+The table speaks per-expert HF names (`mlp.experts.{e}.gate_proj.weight`), which is what
+`save_pretrained` writes and what weight sync sends to engines. An HF *file* may instead store
+a routed-expert group fused (`HfLayout`); that is a storage layout translated at the file
+boundary (import reads slices, export packs), so the table and weight sync never see it.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +37,10 @@ from megatron_rl.models.registry import ModelSpec
 HfGetter = Callable[[str], torch.Tensor]
 SUPPORTED = ("qwen3", "qwen3_moe", "qwen3_5_moe")
 _LAYER_KEY = re.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.*)")
+PER_EXPERT, FUSED = "per_expert", "fused"
+EXPERT_LAYOUTS = (PER_EXPERT, FUSED)
+# a per-expert HF name: group, expert, projection
+_PER_EXPERT_NAME = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 @dataclass(frozen=True)
@@ -220,6 +230,15 @@ class WeightMap:
     def hf_names(self) -> list[str]:
         return [n for e, idx in self.units() for n in e.hf_names(*idx)]
 
+    def expert_groups(self) -> list[str]:
+        """HF prefixes of the routed-expert groups, one per MoE layer (decoder layers, then
+        MTP layers): `model.layers.3.mlp.experts`, `mtp.layers.0.mlp.experts`."""
+        groups: dict[str, None] = {}
+        for entry, index in self.units():
+            if entry.stack == 2:
+                groups.setdefault(entry.hf[0].split(".{e}.")[0].format(l=index[0]), None)
+        return list(groups)
+
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         s = self.spec
         h, d = s.hidden_size, s.head_dim
@@ -329,3 +348,117 @@ class WeightMap:
             q, k, v = qkv.split([per_group * d, d, d], dim=1)
         return {names[0]: q.reshape(-1, hidden), names[1]: k.reshape(-1, hidden),
                 names[2]: v.reshape(-1, hidden)}
+
+
+class HfLayout:
+    """How an HF folder stores each routed-expert group (one MoE layer's experts):
+
+      per_expert  `<group>.<e>.{gate,up,down}_proj.weight`: `save_pretrained`, the Qwen3-MoE
+                  and FP8 releases, Qwen3.5's MTP experts
+      fused       `<group>.gate_up_proj` [E, 2I, H] (per expert: gate rows, then up rows) and
+                  `<group>.down_proj` [E, H, I]: transformers' in-memory experts, the Qwen3.5
+                  bf16 release's decoder experts, Qwen3.6's MTP experts too
+
+    The weight map speaks per-expert names; `source` says where such a name sits in a fused
+    file (import reads just that slice) and `pack` fuses a layer's per-expert tensors back
+    (export). Both are pure copies, so a round trip is bit-exact in either layout."""
+
+    def __init__(self, wmap: WeightMap, groups: Mapping[str, str], where: str = "layout"):
+        known = wmap.expert_groups()
+        if not isinstance(groups, Mapping):
+            raise WeightMapError(f"{where}: expert layout {groups!r} is not a table of "
+                                 "group → layout")
+        for group, layout in groups.items():
+            if group not in known:
+                raise WeightMapError(f"{where}: '{group}' is not a routed-expert group of "
+                                     f"model '{wmap.spec.name}'")
+            if layout not in EXPERT_LAYOUTS:
+                raise WeightMapError(f"{where}: group {group} has layout {layout!r}; expected "
+                                     f"one of {', '.join(EXPERT_LAYOUTS)}")
+        absent = [g for g in known if g not in groups]
+        if absent:
+            raise WeightMapError(f"{where}: no expert layout for group {absent[0]}"
+                                 + (f" (+{len(absent) - 1} more)" if len(absent) > 1 else ""))
+        self.wmap = wmap
+        self.groups = {g: groups[g] for g in known}
+
+    @classmethod
+    def uniform(cls, wmap: WeightMap, layout: str = PER_EXPERT) -> HfLayout:
+        return cls(wmap, dict.fromkeys(wmap.expert_groups(), layout), "expert layout")
+
+    @classmethod
+    def from_json(cls, wmap: WeightMap, data: Any, where: str) -> HfLayout:
+        """From a manifest's `hf_layout` (untrusted: every group and value is checked)."""
+        if not isinstance(data, dict):
+            raise WeightMapError(f"{where}: hf_layout {data!r} is not a JSON object")
+        return cls(wmap, data, where)
+
+    def to_json(self) -> dict[str, str]:
+        return dict(self.groups)
+
+    def __repr__(self) -> str:
+        counts = {k: sum(v == k for v in self.groups.values()) for k in EXPERT_LAYOUTS}
+        return f"HfLayout({', '.join(f'{k}={n}' for k, n in counts.items() if n)})"
+
+    def _fused_names(self, group: str) -> dict[str, tuple[int, ...]]:
+        s = self.wmap.spec
+        e, i, h = s.num_experts, s.moe_ffn_hidden_size, s.hidden_size
+        return {f"{group}.gate_up_proj": (e, 2 * i, h), f"{group}.down_proj": (e, h, i)}
+
+    def source(self, name: str) -> tuple[str, tuple[int | slice, ...]] | None:
+        """(fused file tensor, index into it) of a per-expert name whose group is fused;
+        None when the file holds `name` itself."""
+        m = _PER_EXPERT_NAME.fullmatch(name)
+        if m is None or self.groups.get(m[1]) != FUSED:
+            return None
+        expert, i = int(m[2]), self.wmap.spec.moe_ffn_hidden_size
+        if m[3] == "down_proj":
+            return f"{m[1]}.down_proj", (expert,)
+        rows = slice(0, i) if m[3] == "gate_proj" else slice(i, 2 * i)
+        return f"{m[1]}.gate_up_proj", (expert, rows)
+
+    def file_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor an HF file of this layout holds, in file order, with its shape."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in self.wmap.hf_shapes().items():
+            m = _PER_EXPERT_NAME.fullmatch(name)
+            if m is not None and self.groups.get(m[1]) == FUSED:
+                for fused, fused_shape in self._fused_names(m[1]).items():
+                    shapes.setdefault(fused, fused_shape)
+            else:
+                shapes[name] = shape
+        return shapes
+
+    def pack(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-expert HF tensors → the file's tensors: each fused group's experts stacked into
+        its two fused tensors (every expert of the group must be in `tensors`), the rest as
+        they are, in order."""
+        plain: dict[str, torch.Tensor] = {}
+        parts: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+        order: list[str] = []  # plain names and fused groups, as they first come
+        for name, tensor in tensors.items():
+            m = _PER_EXPERT_NAME.fullmatch(name)
+            if m is None or self.groups.get(m[1]) != FUSED:
+                plain[name] = tensor
+                order.append(name)
+            else:
+                if m[1] not in parts:
+                    parts[m[1]] = {}
+                    order.append(m[1])
+                parts[m[1]][(m[3], int(m[2]))] = tensor
+        out: dict[str, torch.Tensor] = {}
+        experts = range(self.wmap.spec.num_experts or 0)
+        for name in order:
+            if name in plain:
+                out[name] = plain[name]
+                continue
+            got = parts[name]
+            lacking = [f"{name}.{e}.{p}.weight" for e in experts
+                       for p in ("gate_proj", "up_proj", "down_proj") if (p, e) not in got]
+            if lacking:
+                raise WeightMapError(f"cannot fuse {name}: {lacking[0]} was not produced")
+            out[f"{name}.gate_up_proj"] = torch.stack(
+                [torch.cat([got[("gate_proj", e)], got[("up_proj", e)]], dim=0)
+                 for e in experts])
+            out[f"{name}.down_proj"] = torch.stack([got[("down_proj", e)] for e in experts])
+        return out

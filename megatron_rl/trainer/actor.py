@@ -66,6 +66,9 @@ class MegatronActor:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.no_sync_func = self.model[0].no_sync
         self.step = 0
+        # the HF expert layout per tensor group of the checkpoint this model came from (a
+        # converted folder's manifest); kept in its checkpoints so an export writes it back
+        self.hf_layout: dict[str, str] | None = None
         self._stepped = False  # an optimizer step of the current run step succeeded
         self.optimizer_steps = 0  # successful updates: Adam's bias-correction step
         self.forward_backward_seconds = 0.0  # in megatron's schedules (all passes)
