@@ -322,12 +322,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_data_commands(sub: Any) -> None:
     """`megatron-rl data ...`: the data pipeline (each command's parser lives with its code)."""
     from megatron_rl.data.climb import add_climb_parser
+    from megatron_rl.data.filters import add_filter_parser
+    from megatron_rl.data.masks import add_mask_parser
+    from megatron_rl.data.synthesize import add_synthesize_parser
+    from megatron_rl.data.world import add_world_parser
     from megatron_rl.teacher import add_teacher_parser
 
-    d = sub.add_parser("data", help="the data pipeline: world, synthesize, teacher, filter, "
-                       "climb")
+    d = sub.add_parser("data", help="the data pipeline: world → synthesize → teacher → filter "
+                       "→ mask → (sft) → climb")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    for add in (add_teacher_parser, add_climb_parser):
+    for add in (add_world_parser, add_synthesize_parser, add_teacher_parser, add_filter_parser,
+                add_mask_parser, add_climb_parser):
         add(dsub)
     for action in dsub.choices.values():  # bad input is an error that names it, not a trace
         action.set_defaults(func=_user_errors(action.get_default("func")))

@@ -27,16 +27,20 @@ from megatron_rl.engines.base import (
 )
 from megatron_rl.env.base import Tool, tool_spec
 from megatron_rl.records.trajectory import ToolCall, Trajectory, Turn
+from megatron_rl.utils.degeneracy import DEFAULT as _DEGENERACY
+from megatron_rl.utils.degeneracy import DegeneracyConfig, find_degeneracy
 
 MAX_ABORT_RESUMES = 16  # an engine that keeps aborting one request is broken, not paused
 
 
 def is_degenerate(text: str, min_chars: int = 400, max_ratio: float = 0.1) -> bool:
-    """Highly repetitive output: zlib squeezes it below `max_ratio` of its size. Short texts
-    are never judged (they compress poorly whatever they say); natural text and JSON stay
-    around 0.3-0.6, a looping "the the the …" falls under 0.05."""
-    raw = text.encode("utf-8", "replace")
-    return len(raw) >= min_chars and len(zlib.compress(raw, 6)) / len(raw) < max_ratio
+    """Looping output, by the detector the offline filters use (`utils.degeneracy`): a
+    `window` of it compressing below `max_ratio` given the text before it, a repeating block
+    of lines, or a long run of one short unit. Windows shorter than `min_chars` are not
+    ratio-judged (they compress poorly whatever they say)."""
+    cfg = _DEGENERACY if (min_chars, max_ratio) == (400, 0.1) else \
+        DegeneracyConfig(min_chars=min_chars, max_ratio=max_ratio)
+    return find_degeneracy(text, cfg) is not None
 
 
 @dataclass
