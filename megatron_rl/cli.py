@@ -342,7 +342,7 @@ def _user_errors(func: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # a bad or missing input file, row or field
             print(f"megatron-rl: {e}", file=sys.stderr)
             return 2
     return run

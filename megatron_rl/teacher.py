@@ -35,11 +35,13 @@ from megatron_rl.engines.base import (
 )
 from megatron_rl.records.prompt import Prompt
 from megatron_rl.records.trajectory import Trajectory
+from megatron_rl.rewards.base import references
 from megatron_rl.rewards.composite import build_judge, judge_trajectory
 
 _SENTENCE = re.compile(r"[^\n]+?(?:\.(?=\s)|\n|$)")
 _LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
 MAX_NOTE_SENTENCES = 4
+MAX_NOTE_CHARS = 600  # a note is a digest: it must fit one response
 
 
 @dataclass
@@ -103,7 +105,7 @@ class OracleEngine(NoServerControl):
         keep = [s.strip() for s in _SENTENCE.findall(evidence)
                 if any(x and x in s for x in (*p.bridges, p.answer))]
         keep = list(dict.fromkeys(keep))[:MAX_NOTE_SENTENCES]
-        return "Notes: " + (" ".join(keep) or "nothing new yet.")
+        return "Notes: " + (" ".join(keep)[:MAX_NOTE_CHARS] or "nothing new yet.")
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         uid, _, k = req.rid.rpartition("/")
@@ -141,7 +143,8 @@ def path_of(prompt: Prompt) -> OraclePath | None:
     support = meta.get("support") or []
     if not support:
         return None
-    return OraclePath(list(support), list(meta.get("facts") or []), prompt.answer)
+    return OraclePath(list(support), list(meta.get("facts") or []),
+                      references(prompt.answer)[0])  # the first of a JSON list of answers
 
 
 async def run_teacher(prompts: Sequence[Prompt], agent: Any, engine: Any, *, oracle: bool,
@@ -211,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = run_tokenizer(args.tokenizer, "tiny-moe", vocab_size=args.vocab_size)
     out = Path(args.out)
     if args.questions:
-        prompts = read_prompts(args.questions)
+        prompts = read_prompts([args.questions])
         if not args.index:
             raise ValueError("--index: a search index is needed with --questions")
         index = Path(args.index)
@@ -262,6 +265,6 @@ def add_teacher_parser(sub: Any) -> None:
     t.add_argument("--api-key-env", dest="api_key_env", default=None)
     t.add_argument("--max-turns", dest="max_turns", type=int, default=12)
     t.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=512)
-    t.add_argument("--max-context-tokens", dest="max_context_tokens", type=int, default=8192)
+    t.add_argument("--max-context-tokens", dest="max_context_tokens", type=int, default=32768)
     t.add_argument("--concurrency", type=int, default=8)
     t.set_defaults(func=main)
