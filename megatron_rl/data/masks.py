@@ -12,7 +12,7 @@ Two labellers:
   identical query), a turn labelled `degenerate`.
 - `LLMTurnLabeller`: an OpenAI-compatible judge (`utils.chat_client`) sees the question, the
   reference and the turns around the one it labels (a fixed window), with the rubric of
-  `configs/rubrics/turn_mask.json`. Turn texts and observations are untrusted: quoted and
+  `configs/masks/turn_mask.json`. Turn texts and observations are untrusted: quoted and
   escaped (`quote_untrusted`), so a turn cannot write the judge's final line. The label is read
   only from the reply's last line, `VERDICT: KEEP` or `VERDICT: MASK`; anything else is a
   failed call, which labels KEEP and is counted.
@@ -43,7 +43,7 @@ from megatron_rl.utils.chat_client import (
 
 KEEP, MASK = "KEEP", "MASK"
 MAX_FRACTION = 0.10
-DEFAULT_RUBRIC = Path(__file__).resolve().parents[2] / "configs" / "rubrics" / "turn_mask.json"
+DEFAULT_RUBRIC = Path(__file__).resolve().parents[2] / "configs" / "masks" / "turn_mask.json"
 EMBEDDED_TOOLS = frozenset({"search", "visit"})
 # most severe first: which MASK labels survive the cap
 SEVERITY = ("unknown_tool", "malformed_call", "degenerate", "repeated_call", "llm")
