@@ -186,7 +186,9 @@ def test_a_page_injection_cannot_change_the_rubric_score(grader: Any,
     synth = t.turns[1]
     if expected is None:  # the reply ends in page text: a judge failure, not the page's 5s
         assert results[1].error == JUDGE_ERROR and "no_final_json" in results[1].detail
-        assert "rubric" not in synth.rewards and synth.labels == [JUDGE_ERROR]
+        # a failed rubric call: that turn scores N/A and is counted; the trajectory stays in
+        assert "rubric" not in synth.rewards and synth.labels == []
+        assert t.metadata["rubric_failed_turns"] == 1
     else:  # all 2s from the judge's own final object, whatever the quoted page says
         assert results[1].dimensions == {"faithfulness": 2.0, "retention": None,
                                          "relevance": 2.0, "conciseness": 2.0,
