@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,41 +115,16 @@ def _search_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def _trainer_ranks(nproc: int, backend: str) -> Iterator[Any]:
-    """The trainer ranks as a job group: `nproc` local gloo ranks, or, under torchrun, the
-    ranks it started (rank 0 gets the group and drives; every other rank follows rank 0's jobs
-    until it is done, and gets None)."""
-    if "RANK" not in os.environ:
-        from megatron_rl.distributed.worker_pool import WorkerPool
-
-        with WorkerPool(nproc) as pool:
-            yield pool
-        return
-    from megatron_rl.distributed.process_groups import init_distributed
-    from megatron_rl.distributed.spmd import TorchrunGroup
-
-    init_distributed(backend)
-    group = TorchrunGroup()
-    if group.rank != 0:
-        group.follow()
-        yield None
-        return
-    try:
-        yield group
-    finally:
-        group.close()
-
-
 def _train(args: argparse.Namespace) -> int:
     from megatron_rl.distributed.process_groups import min_world_size
+    from megatron_rl.distributed.spmd import trainer_ranks
     from megatron_rl.train import train
     from megatron_rl.utils.logs import quiet_libraries
 
     quiet_libraries()
     cfg = _load(args.recipe, args.overrides)
     nproc = args.nproc or min_world_size(cfg.parallel)
-    with _trainer_ranks(nproc, cfg.parallel.backend) as group:
+    with trainer_ranks(nproc, cfg.parallel.backend) as group:
         if group is None:  # a torchrun rank other than 0: it served rank 0's jobs
             return 0
         print(f"[megatron-rl] RL: {cfg.rl.agent} agent, {cfg.model.hf_path or cfg.model.name} on "
@@ -162,6 +135,36 @@ def _train(args: argparse.Namespace) -> int:
         print(f"[megatron-rl] pass rate {rows[0]['rollout/pass_rate']:.3f} -> "
               f"{rows[-1]['rollout/pass_rate']:.3f} over {len(rows)} steps; "
               f"curves and trajectories in {cfg.train.output_dir}/")
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from megatron_rl.data.parquet import DataError
+    from megatron_rl.distributed.process_groups import min_world_size
+    from megatron_rl.distributed.spmd import trainer_ranks
+    from megatron_rl.sft import sft
+    from megatron_rl.utils.logs import quiet_libraries
+
+    quiet_libraries()
+    cfg = _load(args.recipe, args.overrides)
+    nproc = args.nproc or min_world_size(cfg.parallel)
+    try:
+        with trainer_ranks(nproc, cfg.parallel.backend) as group:
+            if group is None:  # a torchrun rank other than 0: it served rank 0's jobs
+                return 0
+            print(f"[megatron-rl] SFT: {cfg.model.hf_path or cfg.model.name} on "
+                  f"{getattr(group, 'world_size', nproc)} trainer rank(s)", flush=True)
+            rows = sft(cfg, group)
+    except DataError as e:
+        print(f"megatron-rl: data error: {e}", file=sys.stderr)
+        return 2
+    trained = [r for r in rows if "loss" in r]
+    evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
+    if trained:
+        print(f"[megatron-rl] loss {trained[0]['loss']:.3f} -> {trained[-1]['loss']:.3f} over "
+              f"{len(trained)} steps" + (f"; held-out loss {evals[0]:.3f} -> {evals[-1]:.3f}"
+                                        if evals else "") +
+              f"; curves: {cfg.train.output_dir}/sft_curves.png", flush=True)
     return 0
 
 
@@ -244,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*")
     tr.add_argument("--nproc", type=int, default=0, help="trainer ranks (default: from layout)")
     tr.set_defaults(func=_train)
+
+    sf = sub.add_parser("sft", help="SFT: Megatron training on trajectories or chats, loss on "
+                        "the assistant's tokens only (docs/sft.md)")
+    sf.add_argument("recipe")
+    sf.add_argument("overrides", nargs="*")
+    sf.add_argument("--nproc", type=int, default=0, help="trainer ranks (default: from layout)")
+    sf.set_defaults(func=_sft)
 
     lm = sub.add_parser("lm-train", help="next-token training of a registry model (Megatron)")
     lm.add_argument("recipe")

@@ -87,7 +87,7 @@ def test_bucket_curriculum_walks_buckets_in_order(tmp_path):
 def test_bad_rows_name_file_row_and_field(tmp_path, row, message):
     f = tmp_path / "bad.jsonl"
     f.write_text(json.dumps(VERL_ROW) + "\n" + json.dumps(row) + "\n")
-    with pytest.raises(DataError, match=f"{f}" + message.replace("row 0", " row 1")):
+    with pytest.raises(DataError, match=f"{f}" + message.replace("row 0", " line 2")):
         read_prompts([f], tool_names=["search", "visit"])
 
 
@@ -100,15 +100,15 @@ def test_bad_files_name_the_file(tmp_path):
         read_prompts([broken])
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
-    with pytest.raises(DataError, match=f"{latin}: not UTF-8"):
+    with pytest.raises(DataError, match=f"{latin} line 1: not UTF-8"):
         read_prompts([latin])
     garbage = tmp_path / "garbage.jsonl"
     garbage.write_text(json.dumps(VERL_ROW) + "\n{not json\n")
-    with pytest.raises(DataError, match=f"{garbage}: line 2: not JSON"):
+    with pytest.raises(DataError, match=f"{garbage} line 2: not JSON"):
         read_prompts([garbage])
     dup = tmp_path / "dup.jsonl"
     dup.write_text((json.dumps(VERL_ROW) + "\n") * 2)
-    with pytest.raises(DataError, match=r"dup.jsonl row 1: uid 'dup:0' repeats"):
+    with pytest.raises(DataError, match=r"dup.jsonl line 2: uid 'dup:0' repeats"):
         read_prompts([dup])
     csv = tmp_path / "x.csv"
     csv.write_text("prompt,answer\n")

@@ -219,7 +219,7 @@ def export_hf(ckpt_dir: str, out_dir: str, model_name: str | ModelSpec,
     spec = model_name if isinstance(model_name, ModelSpec) else get_model_spec(model_name)
     wmap = WeightMap(spec)
     src = resolve_checkpoint(ckpt_dir)
-    manifest = verify_checkpoint(src)
+    manifest = verify_checkpoint(src, collective=False)  # one process exports
     if manifest.get("model") not in (None, spec.name):
         raise WeightMapError(f"{src} holds model '{manifest['model']}', not '{spec.name}'")
     layout = _export_layout(wmap, hf_layout, manifest, src)

@@ -130,9 +130,11 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_checkpoint(folder: Path, mode: str = "crc32") -> dict[str, Any]:
+def verify_checkpoint(folder: Path, mode: str = "crc32", collective: bool = True
+                      ) -> dict[str, Any]:
     """Check that the folder holds exactly the manifest's files, each intact; return the
-    manifest. Problems name the file."""
+    manifest. Problems name the file. `collective`: every rank checksums a share (all ranks
+    must call it); False: this process checks everything alone (one rank exporting)."""
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder not found: {folder}")
     manifest_path = folder / MANIFEST
@@ -154,8 +156,9 @@ def verify_checkpoint(folder: Path, mode: str = "crc32") -> dict[str, Any]:
             problems.append(f"{name}: {path.stat().st_size} bytes, expected {meta['bytes']} "
                             "(truncated?)")
     if mode == "crc32" and not problems:
-        local = {n: _crc32(folder / n) for n in _split_work(sorted(files))}
-        for name, crc in sorted(_gather_dict(local).items()):
+        names = _split_work(sorted(files)) if collective else sorted(files)
+        local = {n: _crc32(folder / n) for n in names}
+        for name, crc in sorted((_gather_dict(local) if collective else local).items()):
             if crc != files[name]["crc32"]:
                 problems.append(f"{name}: crc32 {crc}, expected {files[name]['crc32']} (corrupt)")
     if problems:

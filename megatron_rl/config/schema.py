@@ -106,6 +106,31 @@ class DataConfig:
 
 
 @dataclass
+class SFTConfig:
+    """`sft`: supervised fine-tuning (`megatron-rl sft`, `sft.py`; docs/sft.md). Files are
+    trajectory JSONL (a `Trajectory.to_dict()` per line: trains exactly the generated tokens of
+    turns whose loss mask is not 0) or chat rows in .parquet/.jsonl (a `messages` column of
+    {role, content}: trains the assistant messages, rendered with the tokenizer's template)."""
+
+    train_files: tuple[str, ...] = bounded((), help="training data (.jsonl / .parquet)")
+    val_files: tuple[str, ...] = bounded((), help="held-out data for sft.eval_every")
+    format: str = bounded("auto", choices=("auto", "trajectories", "messages"),
+                          help="auto: per file, a first row with `turns` is a trajectory, "
+                          "with `messages` a chat")
+    overlong: str = bounded("truncate", choices=("truncate", "drop"),
+                            help="a sequence longer than model.seq_length + 1 tokens: cut at "
+                            "the boundary, or left out (both counted)")
+    shuffle: bool = bounded(True, help="a new seeded order every epoch (train.seed + epoch)")
+    epochs: float = bounded(0.0, ge=0.0, help="> 0: train.steps = ceil(epochs x sequences / "
+                            "train.global_batch_size)")
+    eval_every: int = bounded(0, ge=0, help="steps between held-out losses (and one before "
+                              "the first step); 0 = off")
+    eval_sequences: int = bounded(0, ge=0, help="held-out sequences evaluated, in file order; "
+                                  "0 = all")
+    loggers: tuple[str, ...] = bounded((), help="extra metric sinks: tensorboard, wandb")
+
+
+@dataclass
 class ReliabilityConfig:
     """Limits of one backend (`env/reliability.py` Guard). Times in seconds; None = off."""
 
@@ -443,6 +468,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     def check(self) -> None:
         """Cross-field rules the per-field metadata cannot express."""

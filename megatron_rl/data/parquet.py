@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,33 +35,36 @@ class DataError(ValueError):
     """A data file, row or field that cannot be used; the message names it."""
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of one .parquet or .jsonl file as plain Python values."""
+def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, row) for every row of a .jsonl (blank lines skipped) or .parquet file."""
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         try:
-            return pq.read_table(path).to_pylist()
+            rows = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises many types for a broken file
             raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: "
                             f"{e})") from None
-    if path.suffix in (".jsonl", ".json"):
-        rows = []
-        with path.open(encoding="utf-8", errors="strict") as f:
+        for i, row in enumerate(rows):
+            yield f"{path} row {i}", row
+        return
+    if path.suffix not in (".jsonl", ".json"):
+        raise DataError(f"{path}: data files are .parquet or .jsonl")
+    with path.open("rb") as f:
+        for i, raw in enumerate(f):
+            where = f"{path} line {i + 1}"
             try:
-                for i, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        rows.append(json.loads(line))
-                    except (json.JSONDecodeError, RecursionError) as e:
-                        raise DataError(f"{path}: line {i + 1}: not JSON ({e})") from None
+                line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
-        return rows
-    raise DataError(f"{path}: data files are .parquet or .jsonl")
+                raise DataError(f"{where}: not UTF-8 text (byte {e.start} of the line)") from None
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise DataError(f"{where}: not JSON ({e})") from None
 
 
 def _answers(value: Any, where: str) -> list[str]:
@@ -83,9 +86,8 @@ def _answers(value: Any, where: str) -> list[str]:
     return list(value)
 
 
-def _messages(value: Any, where: str) -> list[dict[str, str]]:
-    if isinstance(value, str):  # a bare question
-        value = [{"role": "user", "content": value}]
+def check_messages(value: Any, where: str) -> list[dict[str, str]]:
+    """A non-empty list of {role, content} chat messages with known roles and bounded text."""
     if not isinstance(value, (list, tuple)) or not value:
         raise DataError(f"{where}: a non-empty list of chat messages")
     out = []
@@ -97,7 +99,14 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
                             f"{m!r:.80}")
         if len(m["content"]) > MAX_TEXT:
             raise DataError(f"{w}.content: {len(m['content'])} characters (at most {MAX_TEXT})")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({k: v for k, v in m.items()})
+    return out
+
+
+def _messages(value: Any, where: str) -> list[dict[str, str]]:
+    if isinstance(value, str):  # a bare question
+        value = [{"role": "user", "content": value}]
+    out = [{"role": m["role"], "content": m["content"]} for m in check_messages(value, where)]
     if not any(m["role"] == "user" and m["content"].strip() for m in out):
         raise DataError(f"{where}: no user message with text (the question)")
     return out
@@ -165,8 +174,7 @@ def read_prompts(files: Sequence[str | Path], *, tool_names: Iterable[str] | Non
     seen: dict[str, str] = {}
     for f in files:
         path = Path(f)
-        for i, row in enumerate(read_rows(path)):
-            where = f"{path} row {i}"
+        for i, (where, row) in enumerate(iter_rows(path)):
             p = parse_row(row, where, names)
             index = p.metadata["extra_info"].get("index")
             p.uid = f"{path.stem}:{index if index is not None else i}"

@@ -84,9 +84,9 @@ class PageGraph:
 
     @classmethod
     def from_corpus(cls, path: str | Path) -> PageGraph:
-        from megatron_rl.data.parquet import read_rows
+        from megatron_rl.data.parquet import iter_rows
 
-        return cls.from_pages(read_rows(Path(path)))
+        return cls.from_pages(row for _, row in iter_rows(Path(path)))
 
     @property
     def num_links(self) -> int:

@@ -9,9 +9,11 @@ the others follow).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from megatron_rl.distributed.worker_pool import WorkerError
@@ -110,3 +112,28 @@ class TorchrunGroup:
         if self.rank == 0 and self.alive:
             self._exchange(None)
         self.alive = False
+
+
+@contextlib.contextmanager
+def trainer_ranks(nproc: int, backend: str) -> Iterator[Any]:
+    """The trainer ranks of a command as a job group: `nproc` local gloo ranks, or, under
+    torchrun, the ranks it started (rank 0 gets the group and drives; every other rank follows
+    rank 0's jobs until it is done, and gets None)."""
+    if "RANK" not in os.environ:
+        from megatron_rl.distributed.worker_pool import WorkerPool
+
+        with WorkerPool(nproc) as pool:
+            yield pool
+        return
+    from megatron_rl.distributed.process_groups import init_distributed
+
+    init_distributed(backend)
+    group = TorchrunGroup()
+    if group.rank != 0:
+        group.follow()
+        yield None
+        return
+    try:
+        yield group
+    finally:
+        group.close()
