@@ -29,7 +29,12 @@ from megatron_rl.data.parquet import DataError
 from megatron_rl.data.sft_data import SFTData, load_sft_data, sft_batch
 from megatron_rl.distributed.spmd import RankObjects, SPMDGroup
 from megatron_rl.models.registry import model_spec
-from megatron_rl.trainer.hf_weights import export_step, initial_weights, save_run_tokenizer
+from megatron_rl.trainer.hf_weights import (
+    checkpoint_due,
+    export_step,
+    initial_weights,
+    save_run_tokenizer,
+)
 from megatron_rl.trainer.sft_worker import SFTWorker
 from megatron_rl.utils.metrics import MetricsLogger
 
@@ -106,13 +111,11 @@ def sft(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
                             "tokens_per_s": metrics["num_tokens"] / max(t1 - t0, 1e-9)})
             logger.log(step + 1, metrics, console_keys=CONSOLE)
             rows.append({"step": step + 1, **metrics})
-            ck, last = cfg.checkpoint, step + 1 == cfg.train.steps
-            every = ck.save_every and (step + 1) % ck.save_every == 0  # save_every 0: at the end
-            if ck.dir and (every or last):
+            save, export = checkpoint_due(cfg.checkpoint, step + 1, cfg.train.steps)
+            if save:
                 trainer.call("save", {"sft_cursor": cursor})
-                if (ck.export_hf_every and (step + 1) % ck.export_hf_every == 0) or \
-                        (last and ck.export_hf):
-                    export_step(cfg, spec, step + 1, Path(cfg.model.hf_path or
-                                                          save_run_tokenizer(tokenizer, out)))
+            if export:
+                export_step(cfg, spec, step + 1, Path(cfg.model.hf_path or
+                                                      save_run_tokenizer(tokenizer, out)))
         logger.plot(CURVES, "sft_curves.png")
     return rows

@@ -34,7 +34,12 @@ from megatron_rl.rewards.taxonomy import taxonomy_metrics
 from megatron_rl.rollout.scheduler import RolloutScheduler
 from megatron_rl.tasks import build_task
 from megatron_rl.trainer.batching import rl_batch
-from megatron_rl.trainer.hf_weights import export_step, initial_weights, save_run_tokenizer
+from megatron_rl.trainer.hf_weights import (
+    checkpoint_due,
+    export_step,
+    initial_weights,
+    save_run_tokenizer,
+)
 from megatron_rl.trainer.worker import TrainerWorker
 from megatron_rl.utils.metrics import MetricsLogger, truncate_jsonl
 
@@ -120,15 +125,13 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
             _dump(out / "trajectories.jsonl", step + 1, trajs)
             logger.log(step + 1, metrics, console_keys=CONSOLE)
             rows.append(metrics)
-            ck, last = cfg.checkpoint, step + 1 == cfg.train.steps
-            every = ck.save_every and (step + 1) % ck.save_every == 0  # save_every 0: at the end
-            if ck.dir and (every or (last and (ck.export_hf or not ck.save_every))):
+            save, export = checkpoint_due(cfg.checkpoint, step + 1, cfg.train.steps)
+            if save:
                 trainer.call("save", {
                     "rollout": scheduler.state_dict(),
                     "entropy_control": entropy.state_dict() if entropy else None})
-                if (ck.export_hf_every and (step + 1) % ck.export_hf_every == 0) or \
-                        (last and ck.export_hf):
-                    export_step(cfg, spec, step + 1, Path(cfg.model.hf_path or
-                                                          save_run_tokenizer(tokenizer, out)))
+            if export:
+                export_step(cfg, spec, step + 1, Path(cfg.model.hf_path or
+                                                      save_run_tokenizer(tokenizer, out)))
         logger.plot(CURVES, "rl_curves.png")
     return rows

@@ -136,3 +136,18 @@ DEMO_PAGES = {
     "https://en.wikipedia.org/wiki/Eiffel_Tower": (
         "Eiffel Tower", "The Eiffel Tower in Paris was completed in 1889."),
 }
+
+
+def build_index_cli(root: Any, rows: list[dict[str, Any]]) -> Any:
+    """`rows` (id/url/title/text) as a JSONL corpus under `root`, indexed with the real
+    `megatron-rl search build`; returns the index folder."""
+    import subprocess
+    import sys
+
+    (root / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "search", "build",
+                           "--corpus", str(root / "corpus.jsonl"), "--out", str(root / "index"),
+                           "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{len(rows)} docs" in proc.stdout, proc.stdout
+    return root / "index"

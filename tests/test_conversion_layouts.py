@@ -15,6 +15,7 @@ import torch
 from megatron_rl.checkpoint.errors import HFCheckpointError, WeightMapError
 from tests import conversion_cases as cc
 from tests.pools import get_pool
+from tests.test_conversion import _rewrite
 
 TOL = 1e-4
 MODELS = {"tiny-qwen3.5": list(cc.RELEASE_LAYOUTS), "tiny-moe": ["per_expert", "qwen3.5"]}
@@ -211,15 +212,7 @@ def test_checkpoint_without_a_recorded_layout_exports_per_expert(folders, tmp_pa
 
 
 # -- bad input ---------------------------------------------------------------------------------
-def _edited(hf: Path, tmp_path: Path, edit) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    copy = tmp_path / "edited"
-    shutil.copytree(hf, copy)
-    tensors = load_file(str(copy / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
-    return copy
+_edited = _rewrite  # a copy of an HF folder with its tensors edited
 
 
 def _import_error(hf: Path, tmp_path: Path, model: str = "tiny-qwen3.5") -> str:

@@ -6,9 +6,6 @@ embedded engine over its OpenAI-compatible `/v1`."""
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,6 +19,7 @@ from megatron_rl.engines.embedded import EmbeddedServer
 from megatron_rl.models.registry import get_model_spec
 from megatron_rl.records.trajectory import Trajectory, Turn
 from megatron_rl.tasks import build_task
+from tests.fakes import build_index_cli
 
 CORPUS = [
     {"id": "1", "url": "https://w.test/zorvex", "title": "Zorvex Dynamics",
@@ -34,14 +32,7 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def corpus_index(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    (root / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "search", "build",
-                           "--corpus", str(root / "corpus.jsonl"), "--out", str(root / "index"),
-                           "--no-progress"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "3 docs" in proc.stdout
-    return root / "index"
+    return build_index_cli(tmp_path_factory.mktemp("corpus"), CORPUS)
 
 
 def _prompts(path, tools_kwargs):

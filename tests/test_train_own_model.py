@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 from megatron_rl.models.registry import get_model_spec
 from tests.conversion_cases import save_random_hf
+from tests.fakes import build_index_cli
 from tests.test_chat_formats import QWEN3_5_SPECIAL, TEMPLATES, build_tokenizer
 
 CORPUS = [{"id": str(i), "url": f"https://w.test/p{i}", "title": f"Page {i}",
@@ -30,11 +31,7 @@ CORPUS = [{"id": str(i), "url": f"https://w.test/p{i}", "title": f"Page {i}",
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("own")
-    (root / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "search", "build",
-                           "--corpus", str(root / "corpus.jsonl"), "--out", str(root / "index"),
-                           "--no-progress"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    build_index_cli(root, CORPUS)
     rows = [{"data_source": "own", "ability": "search",
              "prompt": [{"role": "user", "content": f"Where was entity {i} founded?"}],
              "reward_model": {"ground_truth": {"target": [f"Velt{i % 3}"]}},

@@ -38,6 +38,17 @@ def initial_weights(cfg: Config, spec: ModelSpec, progress: bool = True) -> str 
     return str(out)
 
 
+def checkpoint_due(ck: Any, step: int, steps: int) -> tuple[bool, bool]:
+    """(save, export) after run step `step` of `steps`: saves every `save_every` steps and at
+    the end (a run's final model is always kept when `checkpoint.dir` is set); exports every
+    `export_hf_every` saved steps and at the end with `export_hf`."""
+    last = step == steps
+    save = bool(ck.dir) and (last or bool(ck.save_every and step % ck.save_every == 0))
+    export = save and ((bool(ck.export_hf_every) and step % ck.export_hf_every == 0)
+                       or (last and ck.export_hf))
+    return save, export
+
+
 def save_run_tokenizer(tokenizer: Any, out: Path) -> Path:
     """The tokenizer (and chat template) exports copy: `model.hf_path`'s files when the run has
     one, else the run's own tokenizer saved once."""
