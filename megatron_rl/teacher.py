@@ -127,12 +127,13 @@ class OracleEngine(NoServerControl):
 
 def grounded(traj: Trajectory) -> bool:
     """Every visited URL appeared in an observation before the visit."""
-    seen = ""
+    seen: list[str] = []
     for turn in traj.turns:
         for call in turn.tool_calls:
-            if call.name == "visit" and str(call.arguments.get("url")) not in seen:
+            url = str(call.arguments.get("url"))
+            if call.name == "visit" and not any(url in o for o in seen):
                 return False
-            seen += call.observation or ""
+            seen.append(call.observation or "")
     return True
 
 

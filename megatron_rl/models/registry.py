@@ -304,5 +304,4 @@ def spec_from_hf(folder: str | Path) -> ModelSpec:
 def model_spec(model: Any) -> ModelSpec:
     """The spec a run's `model` section names: `model.hf_path`'s config.json, else the
     registry entry `model.name`."""
-    hf_path = getattr(model, "hf_path", None)
-    return spec_from_hf(hf_path) if hf_path else get_model_spec(model.name)
+    return spec_from_hf(model.hf_path) if model.hf_path else get_model_spec(model.name)

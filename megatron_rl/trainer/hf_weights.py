@@ -31,8 +31,7 @@ def initial_weights(cfg: Config, spec: ModelSpec, progress: bool = True) -> str 
     source = Path(cfg.model.hf_path)
     out = Path(cfg.train.output_dir) / f"hf_import-{_fingerprint(source)}"
     if not (out / "manifest.json").is_file():
-        r = import_hf(str(source), str(out), spec, dtype=cfg.model.dtype if
-                      cfg.model.dtype in ("fp32", "bf16") else "fp32", progress=progress)
+        r = import_hf(str(source), str(out), spec, dtype=cfg.model.dtype, progress=progress)
         print(f"[megatron-rl] imported {source} ({r['tensors']} chunks, {r['bytes'] / 1e6:.1f} "
               f"MB) in {r['seconds']:.1f}s", flush=True)
     return str(out)

@@ -4,6 +4,7 @@ the rank's `MegatronActor` for the life of the run."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from megatron_rl.checkpoint.training_checkpoint import load_checkpoint, save_checkpoint
@@ -54,8 +55,6 @@ class TrainerWorker:
     def update(self, batch: TokenBatch, entropy_coef: float) -> dict[str, float]:
         """One run step's policy update; `entropy_coef` comes from the driver (EntroPIC may
         move it away from `rl.loss.entropy_coef`)."""
-        import dataclasses
-
         rl, train = self.cfg.rl, self.cfg.train
         loss = dataclasses.replace(rl.loss, entropy_coef=entropy_coef)
         return policy_update(self.actor, batch, loss, rl.tis, self.reference,
