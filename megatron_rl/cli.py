@@ -192,10 +192,13 @@ def _launch(fn, nproc: int, *args, backend: str = "auto") -> list:
     """Run `fn(*args)` SPMD: in this process under torchrun (one rank), else on `nproc` local
     gloo ranks. Returns the per-rank results (just this rank's under torchrun)."""
     if "RANK" in os.environ:
-        from megatron_rl.distributed.process_groups import init_distributed
+        from megatron_rl.distributed.process_groups import init_distributed, shutdown_distributed
 
         init_distributed(backend)
-        return [fn(*args)]
+        try:
+            return [fn(*args)]
+        finally:
+            shutdown_distributed()
     from megatron_rl.distributed.worker_pool import WorkerPool
 
     with WorkerPool(nproc) as pool:

@@ -13,7 +13,7 @@ def test_lm_train_command(tmp_path):
            "train.steps=4", f"train.output_dir={out_dir}", f"checkpoint.dir={ckpt}",
            "checkpoint.save_every=2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "on 2 rank(s)" in proc.stdout and "loss 6." in proc.stdout
     rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -39,7 +39,7 @@ def test_lm_train_under_torchrun(tmp_path):
            "-m", "megatron_rl.cli", "lm-train", "tiny-moe-cpu", "parallel.ep=1", "parallel.pp=2",
            "train.steps=2", f"train.output_dir={out_dir}", "checkpoint.dir=null"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]  # written once, by rank 0
     assert abs(rows[0]["loss"] - 6.25) < 0.1
@@ -61,7 +61,7 @@ def test_rl_train_under_torchrun(tmp_path):
            "-m", "megatron_rl.cli", "train", "tiny-moe-rl-sanity-cpu", "train.steps=2",
            "rl.eval_every=0", f"train.output_dir={out_dir}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "on 2 trainer rank(s), 2 steps" in proc.stdout
     rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]  # one driver

@@ -56,6 +56,15 @@ def init_distributed(backend: str = "auto", rank: int | None = None,
                             timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
+def shutdown_distributed() -> None:
+    """Destroy every process group before the interpreter exits: gloo's C++ worker threads
+    otherwise outlive it and abort the process ("terminate called without an active
+    exception", pytorch#190489), which turns a finished run into exit code -6."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where this rank sits in the parallel grid."""

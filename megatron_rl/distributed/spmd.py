@@ -125,15 +125,18 @@ def trainer_ranks(nproc: int, backend: str) -> Iterator[Any]:
         with WorkerPool(nproc) as pool:
             yield pool
         return
-    from megatron_rl.distributed.process_groups import init_distributed
+    from megatron_rl.distributed.process_groups import init_distributed, shutdown_distributed
 
     init_distributed(backend)
     group = TorchrunGroup()
-    if group.rank != 0:
-        group.follow()
-        yield None
-        return
     try:
-        yield group
+        if group.rank != 0:
+            group.follow()
+            yield None
+            return
+        try:
+            yield group
+        finally:
+            group.close()
     finally:
-        group.close()
+        shutdown_distributed()

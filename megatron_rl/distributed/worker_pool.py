@@ -35,7 +35,7 @@ def _worker_main(rank: int, world: int, port: int, threads: int, conn, env: dict
     import torch
 
     torch.set_num_threads(threads)
-    from megatron_rl.distributed.process_groups import init_distributed
+    from megatron_rl.distributed.process_groups import init_distributed, shutdown_distributed
 
     try:
         init_distributed("gloo", rank=rank, world_size=world,
@@ -50,6 +50,7 @@ def _worker_main(rank: int, world: int, port: int, threads: int, conn, env: dict
         except EOFError:
             return
         if job is None:
+            shutdown_distributed()
             return
         fn, args, kwargs = job
         try:
