@@ -168,6 +168,34 @@ def _sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _climb(args: argparse.Namespace) -> int:
+    from megatron_rl.climb import climb
+    from megatron_rl.data.parquet import DataError
+    from megatron_rl.distributed.process_groups import min_world_size
+    from megatron_rl.distributed.spmd import trainer_ranks
+    from megatron_rl.utils.logs import quiet_libraries
+
+    quiet_libraries()
+    extra = [] if args.rounds is None else [f"climb.rounds={args.rounds}"]
+    cfg = _load(args.recipe, [*args.overrides, *extra])
+    nproc = args.nproc or min_world_size(cfg.parallel)
+    try:
+        with trainer_ranks(nproc, cfg.parallel.backend) as group:
+            if group is None:  # a torchrun rank other than 0: it served rank 0's jobs
+                return 0
+            records = climb(cfg, group)
+    except (DataError, ValueError) as e:
+        print(f"megatron-rl: {e}", file=sys.stderr)
+        return 2
+    for r in records:
+        print(f"[climb] round {r['round']}: " + (
+            r["stopped"] if "stopped" in r else
+            f"RL pass rate {r['rl/pass_rate_first']:.3f} -> {r['rl/pass_rate_last']:.3f}"),
+            flush=True)
+    print(f"[climb] records in {cfg.train.output_dir}/climb.jsonl", flush=True)
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -297,6 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8090, help="0: any free port (printed)")
     sv.add_argument("--threads", type=int, default=0, help="search threads (0: CPU count)")
     sv.set_defaults(func=_search_serve)
+
+    cl = sub.add_parser("climb", help="SFT-RL climbing (Iris): RL -> select -> SFT -> RL ...")
+    cl.add_argument("recipe", help="the RL recipe; its climb section names the SFT recipe")
+    cl.add_argument("overrides", nargs="*")
+    cl.add_argument("--rounds", type=int, default=None, help="overrides climb.rounds")
+    cl.add_argument("--nproc", type=int, default=None)
+    cl.set_defaults(func=_climb)
 
     ev = sub.add_parser("eval", help="training-free: an agent scaffold over any "
                                      "OpenAI-compatible model, judged (pass@1)")

@@ -373,11 +373,12 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def load_checkpoint(actor, path: str | Path, *, optimizer: bool = True, rng: bool = True,
-                    verify: str = "crc32") -> dict[str, Any]:
+                    verify: str = "crc32", resume: bool = True) -> dict[str, Any]:
     """Collective. Loads into `actor` (any layout); returns the saved progress dict.
 
     Optimizer state and RNG are restored only when asked for; RNG streams are per rank, so they
-    are restored only when the layout is the same as at save time.
+    are restored only when the layout is the same as at save time. `resume=False` takes the
+    weights only: the actor keeps its own step count (a new run started from another's).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -447,7 +448,8 @@ def load_checkpoint(actor, path: str | Path, *, optimizer: bool = True, rng: boo
     if rng and same_layout:
         _set_rng_state(loaded["rng"])
     progress = dict(loaded.get("progress", {"step": 0}))
-    actor.step = int(progress["step"])
+    if resume:
+        actor.step = int(progress["step"])
     # kept for the actor's own checkpoints, so their export writes the source's layout
     actor.hf_layout = hf_layout
     return progress

@@ -131,6 +131,24 @@ class SFTConfig:
 
 
 @dataclass
+class ClimbConfig:
+    """`climb`: Iris's SFT-RL climbing (`megatron-rl climb RECIPE`, `climb.py`; docs/sft.md).
+    The recipe is the RL stage; each round selects from the last RL run's rollouts
+    (`data/climb.py`), fine-tunes on them with `sft_recipe` (its model and parallel sections
+    are taken from this recipe) and runs RL again from the fine-tuned weights."""
+
+    rounds: int = bounded(1, ge=0, help="select -> SFT -> RL rounds after the first RL run")
+    sft_recipe: str = bounded("tiny-moe-sft-cpu", help="the SFT stage's recipe (name or path)")
+    sft_overrides: tuple[str, ...] = bounded((), help="dotted overrides of the SFT recipe")
+    keep_sft_data: bool = bounded(True, help="also train each round on the SFT recipe's own "
+                                  "sft.train_files, so the skills it taught are kept")
+    max_pass_rate: float = bounded(0.5, gt=0.0, le=1.0, help="a query is a candidate when "
+                                   "0 < pass rate <= this")
+    min_tool_calls: int = bounded(1, ge=0, help="K_rft: the fewest tool calls a kept rollout "
+                                  "makes")
+
+
+@dataclass
 class ReliabilityConfig:
     """Limits of one backend (`env/reliability.py` Guard). Times in seconds; None = off."""
 
@@ -469,6 +487,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    climb: ClimbConfig = field(default_factory=ClimbConfig)
 
     def check(self) -> None:
         """Cross-field rules the per-field metadata cannot express."""

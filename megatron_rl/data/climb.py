@@ -113,17 +113,22 @@ def read_dumps(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def main(args: argparse.Namespace) -> int:
-    rows = read_dumps(Path(args.rollouts))
-    chosen, c = select(rows, max_pass_rate=args.max_pass_rate,
-                       min_tool_calls=args.min_tool_calls)
-    out = Path(args.out)
+def write_selection(chosen: list[dict[str, Any]], out: Path) -> Path:
+    """The next SFT set as trajectory JSONL, written atomically."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}")
     with tmp.open("w") as f:
         for row in chosen:
             f.write(json.dumps(row) + "\n")
     tmp.replace(out)
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = read_dumps(Path(args.rollouts))
+    chosen, c = select(rows, max_pass_rate=args.max_pass_rate,
+                       min_tool_calls=args.min_tool_calls)
+    out = write_selection(chosen, Path(args.out))
     print(f"[climb] {c.rollouts} rollouts of {c.queries} queries: candidate pool {c.candidates} "
           f"(0 < pass rate <= {args.max_pass_rate}; {c.too_easy} too easy, {c.unsolved} "
           f"unsolved); {c.no_deep_correct} without a correct rollout of >= "

@@ -91,8 +91,10 @@ class MegatronActor:
 
         o, steps = self.cfg.optim, self.cfg.train.steps
         decay_steps = max(steps, o.warmup_steps + 1)
+        # megatron warms up from init_lr at step 0: start at lr/(W+1), not 0, so the first
+        # step of a warmup trains (with init_lr=0 it changed nothing)
         return OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr,
+            self.optimizer, init_lr=o.lr / (o.warmup_steps + 1), max_lr=o.lr,
             min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay_steps,
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=decay_steps, wd_incr_style="constant")
@@ -144,12 +146,14 @@ class MegatronActor:
         return metrics
 
     def end_step(self) -> dict[str, float]:
-        """Close a run step: the LR schedule advances once if any optimizer step succeeded."""
+        """Close a run step: the LR schedule advances once if any optimizer step succeeded.
+        Reports the LR this step trained with."""
+        used = self.optimizer.param_groups[0]["lr"]
         if self._stepped:
             self.scheduler.step(increment=1)
         self._stepped = False
         self.step += 1
-        return {"lr": self.optimizer.param_groups[0]["lr"], "step": float(self.step)}
+        return {"lr": used, "step": float(self.step)}
 
     @torch.no_grad()
     def evaluate(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:

@@ -27,7 +27,7 @@ class SFTWorker:
                                             else ck.load, verify=ck.verify)
         elif ck.init_from or initial:  # weights only: the run's own step, optimizer, data
             load_checkpoint(self.actor, ck.init_from or initial, optimizer=False, rng=False,
-                            verify=ck.verify)
+                            resume=False, verify=ck.verify)
 
     def describe(self) -> dict[str, Any]:
         return {"dp": self.actor.layout.dp, "progress": self.progress}

@@ -30,7 +30,8 @@ class TrainerWorker:
             self.progress = load_checkpoint(self.actor, ck.dir if ck.load == "latest"
                                             else ck.load)
         elif ck.init_from or initial:  # weights only: the run's own step, optimizer, data
-            load_checkpoint(self.actor, ck.init_from or initial, optimizer=False, rng=False)
+            load_checkpoint(self.actor, ck.init_from or initial, optimizer=False, rng=False,
+                            resume=False)
         self.syncer: WeightSyncer | None = None
 
     def describe(self) -> dict[str, Any]:
