@@ -11,9 +11,11 @@ quickstart: setup
 	$(VENV)/bin/megatron-rl quickstart
 
 # the package layering (.importlinter) first; pytest exits 5 when it collects nothing: that is
-# not a failure of the project
+# not a failure of the project. Chromium (for the HTML report's headless checks) is installed
+# when missing and apt can; otherwise those checks skip, saying why.
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
+	@tools/ensure_chromium.sh
 	@set +e; $(VENV)/bin/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 

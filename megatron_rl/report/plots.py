@@ -1,0 +1,84 @@
+"""Report curves of a run from its `metrics.jsonl`: one PNG per theme, drawn by
+`utils.metrics.plot_metrics` (one panel per metric against step).
+
+| file | metrics (those the run wrote) |
+|---|---|
+| `reward_accuracy.png` | `reward/outcome_mean`, `rollout/pass_rate`, `…/judged_pass_rate`, eval |
+| `reward_per_role.png` | `reward/<role>_mean`, `reward/<role>_std`, `reward/<role>/<key>_mean` |
+| `tool_calls.png` | `tools/calls_mean`, `tools/<name>_calls`, `tools/<name>_error_rate`, turns |
+| `abnormal.png` | env / model failure and ok rates, each label's rate that is ever non-zero |
+| `mismatch.png` | `mismatch/…` (train vs. rollout log-probs, TIS), `rollout/stale_token_fraction` |
+
+The roles are the ones the taxonomy counted turns for (`rollout/<role>_turns_mean`). A figure
+none of whose metrics is in the file is not written; a value that is not a number is skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.utils.metrics import plot_metrics, read_metrics
+
+REWARD_ACCURACY = ("reward/outcome_mean", "rollout/pass_rate", "rollout/judged_pass_rate",
+                   "eval/outcome_mean", "eval/pass_rate", "eval/judged_pass_rate")
+FAILURE_TOTALS = ("abnormal/env_failure_rate", "abnormal/model_failure_rate",
+                  "abnormal/ok_rate", "rollout/length_finish_rate")
+_ROLE_TURNS = re.compile(r"rollout/([A-Za-z0-9_.-]+)_turns_mean")
+_TOOL = re.compile(r"tools/[A-Za-z0-9_.-]+_(calls|error_rate)")
+_LABEL_RATE = re.compile(r"abnormal/[a-z_]+_rate")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def numeric_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows that have a numeric step, each with only its numeric values."""
+    return [{k: v for k, v in r.items() if _is_number(v)} for r in rows
+            if isinstance(r, dict) and _is_number(r.get("step"))]
+
+
+def report_keys(rows: list[dict[str, Any]]) -> dict[str, tuple[str, ...]]:
+    """Figure file name -> the metrics it plots, in order; only keys present in `rows` (numeric
+    rows, `numeric_rows`), and only figures with at least one key."""
+    present: dict[str, None] = {}
+    for r in rows:
+        present.update(dict.fromkeys(k for k in r if k != "step"))
+    keys = list(present)
+    roles = [m.group(1) for k in keys if (m := _ROLE_TURNS.fullmatch(k))]
+    per_role = [k for role in roles for k in keys
+                if k in (f"reward/{role}_mean", f"reward/{role}_std")
+                or k.startswith(f"reward/{role}/")]
+    tools = (["tools/calls_mean"] + sorted(k for k in keys if _TOOL.fullmatch(k))
+             + ["rollout/turns_mean"] + [f"rollout/{role}_turns_mean" for role in roles])
+    labels = sorted(k for k in keys if _LABEL_RATE.fullmatch(k) and k not in FAILURE_TOTALS
+                    and any(r.get(k) for r in rows))  # a label never seen is no curve
+    figures = {
+        "reward_accuracy.png": REWARD_ACCURACY,
+        "reward_per_role.png": tuple(per_role),
+        "tool_calls.png": tuple(tools),
+        "abnormal.png": (*FAILURE_TOTALS, *labels),
+        "mismatch.png": (*sorted(k for k in keys if k.startswith("mismatch/")),
+                         "rollout/stale_token_fraction"),
+    }
+    out = {}
+    for name, wanted in figures.items():
+        have = tuple(dict.fromkeys(k for k in wanted if k in present))
+        if have:
+            out[name] = have
+    return out
+
+
+def write_plots(metrics: str | Path | list[dict[str, Any]], out_dir: str | Path
+                ) -> dict[str, Path]:
+    """The report's PNGs for a run's metrics (the path of its `metrics.jsonl`, or its rows)
+    in `out_dir` (created); figure file name -> path, for the figures written."""
+    rows = read_metrics(metrics) if isinstance(metrics, str | Path) else list(metrics)
+    rows = sorted(numeric_rows(rows), key=lambda r: r["step"])
+    out = Path(out_dir)
+    figures = report_keys(rows)
+    if figures:
+        out.mkdir(parents=True, exist_ok=True)
+    return {name: plot_metrics(rows, keys, out / name) for name, keys in figures.items()}
