@@ -452,7 +452,9 @@ class RLConfig:
     temperature: float = bounded(1.0, ge=0.0)
     sampling: SchedulerConfig = field(default_factory=SchedulerConfig)
     judge: dict[str, Any] = field(default_factory=dict)   # {} = rule; see rewards.build_judge
-    rubric: dict[str, Any] = field(default_factory=dict)  # an OpenAI-compatible rubric judge
+    # {} = none; {kind: rule} = no model (the world's known path); else an OpenAI-compatible
+    # rubric judge (kind: llm); see rewards.build_rubric
+    rubric: dict[str, Any] = field(default_factory=dict)
     reward_manager: str = bounded(
         "grpo", registry="reward_manager",
         help="how rewards become per-turn advantages (algorithms/reward_managers.py)")

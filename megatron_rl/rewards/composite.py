@@ -25,8 +25,8 @@ from megatron_rl.rewards.base import (
     judge_failed,
     no_answer,
 )
-from megatron_rl.rewards.registry import JUDGES
-from megatron_rl.rewards.rubric import RubricScorer
+from megatron_rl.rewards.registry import JUDGES, RUBRICS
+from megatron_rl.rewards.rubric import TurnScorer
 from megatron_rl.utils.secrets import redact
 
 log = logging.getLogger("megatron_rl.rewards")
@@ -67,7 +67,7 @@ async def judge_trajectory(traj: Trajectory, judge: Judge) -> Verdict:
 
 
 async def score_group(trajectories: list[Trajectory], judge: Judge,
-                      rubric: RubricScorer | None = None) -> list[Verdict]:
+                      rubric: TurnScorer | None = None) -> list[Verdict]:
     """Judge a group (and rubric-score its turns) concurrently; returns the verdicts in order.
 
     The judge's own limits (concurrency cap, rate) bound what is in flight."""
@@ -82,7 +82,7 @@ async def score_group(trajectories: list[Trajectory], judge: Judge,
     return list(results[:len(trajectories)])
 
 
-async def _rubric_trajectory(traj: Trajectory, rubric: RubricScorer) -> None:
+async def _rubric_trajectory(traj: Trajectory, rubric: TurnScorer) -> None:
     try:
         await rubric.score_trajectory(traj)
     except Exception as e:  # e.g. a custom context_fn that breaks on an odd trajectory
@@ -117,4 +117,19 @@ def build_judge(spec: dict[str, Any] | None = None, where: str = "rl.judge") -> 
     try:
         return JUDGES.get(kind, f"{where}.kind")(**spec)
     except TypeError as e:  # a keyword the judge does not take
+        raise ValueError(f"{where}: {e}") from e
+
+
+def build_rubric(spec: dict[str, Any] | None, where: str = "rl.rubric") -> TurnScorer | None:
+    """None for an empty spec (no rubric scores); `{"kind": "rule", "max_summary_chars": ...,
+    "rubrics": [files]}` (`world_rubric.py`: rules over the question's known path, no model),
+    `{"kind": "llm", **ClientConfig fields}` (the LLM judge; `kind` may be left out), or
+    `{"kind": "my_pkg.mod:MyScorer", **its keywords}` (`rewards/registry.py`)."""
+    if not spec:
+        return None
+    spec = dict(spec)
+    kind = spec.pop("kind", "llm")
+    try:
+        return RUBRICS.get(kind, f"{where}.kind")(**spec)
+    except TypeError as e:  # a keyword the scorer does not take
         raise ValueError(f"{where}: {e}") from e

@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from megatron_rl.config.loader import CONFIG_ROOT
 from megatron_rl.records.trajectory import Trajectory
@@ -324,6 +324,15 @@ class RubricResult:
     detail: str = ""
 
 
+@runtime_checkable
+class TurnScorer(Protocol):
+    """The rubric judge protocol `score_group` calls: score a trajectory's turns, writing
+    `turn.rewards["rubric"]` in [0, 1] on those scored (the LLM `RubricScorer`, the rule
+    `world_rubric.WorldRubricScorer`, or a user's own named in `rl.rubric.kind`)."""
+
+    async def score_trajectory(self, traj: Trajectory) -> list[RubricResult | None]: ...
+
+
 class RubricScorer:
     """Scores turns of the roles it has rubrics for; other roles are left alone."""
 
@@ -370,3 +379,10 @@ class RubricScorer:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def llm_rubric(rubrics: Iterable[str | Path] | None = None, **client: Any) -> RubricScorer:
+    """`rl.rubric: {kind: llm, base_url: ..., model: ..., rubrics: [files]}`: the LLM judge over
+    `rubrics` (default `configs/rubrics/*.json`); the other keys are `ClientConfig` fields."""
+    return RubricScorer(ClientConfig.from_dict(client, "rl.rubric"),
+                        None if rubrics is None else load_rubrics(rubrics))

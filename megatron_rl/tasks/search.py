@@ -1,6 +1,7 @@
 """`search` (the embedded default): the agent with local search and visit tools over the
-generated world; the outcome judge (`rl.judge`, rule by default) and, when `rl.rubric` names an
-OpenAI-compatible judge, IterSynth's per-turn rubric scores (RDPO)."""
+generated world; the outcome judge (`rl.judge`, rule by default) and, when `rl.rubric` is set,
+IterSynth's per-turn rubric scores (RDPO): an OpenAI-compatible judge, or `{kind: rule}` (rules
+over the world question's known path, no model; `rewards/world_rubric.py`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,8 @@ from megatron_rl.data.world import build_world_index, generate_world
 from megatron_rl.env.build import ToolContext
 from megatron_rl.env.registry import TOOLS
 from megatron_rl.records.prompt import Prompt
-from megatron_rl.rewards.composite import build_judge, score_group
-from megatron_rl.rewards.rubric import RubricScorer
+from megatron_rl.rewards.composite import build_judge, build_rubric, score_group
 from megatron_rl.tasks.base import Task, build_agents, cycle
-from megatron_rl.utils.chat_client import ClientConfig
 
 TRAIN_QUESTIONS = 64
 
@@ -46,8 +45,7 @@ def search_task(cfg: Config, tokenizer: Any, folder: Path,
         prompts, held_out = world_prompts(cfg, world, n_eval)
     agent, eval_agent = build_agents(cfg, tokenizer, tools)
     judge = build_judge(client_spec(rl.judge, aux_urls, "rl.judge") if rl.judge else None)
-    rubric = RubricScorer(ClientConfig.from_dict(client_spec(rl.rubric, aux_urls, "rl.rubric"),
-                                                 "rl.rubric")) if rl.rubric else None
+    rubric = build_rubric(client_spec(rl.rubric, aux_urls, "rl.rubric")) if rl.rubric else None
     return Task(prompts, held_out, agent, eval_agent,
                 lambda group: score_group(group, judge, rubric),
                 resources=[judge, *([rubric] if rubric else []), *tools])
@@ -62,8 +60,9 @@ def world_prompts(cfg: Config, world: Any, n_eval: int) -> tuple[Iterator[Prompt
                          f"questions: too few for rl.eval_prompts={n_eval} held out")
     held_out, train = unique[:n_eval], unique[n_eval:n_eval + TRAIN_QUESTIONS]
 
-    def prompt(q: Any, uid: str) -> Prompt:
-        return Prompt(q.question, q.answer, uid, metadata={"facts": list(q.facts)})
+    def prompt(q: Any, uid: str) -> Prompt:  # the path: fact recall, the rule rubric
+        return Prompt(q.question, q.answer, uid, metadata={"facts": list(q.facts),
+                                                            "support": list(q.support)})
 
     return cycle(train, prompt), [prompt(q, f"eval{i}") for i, q in enumerate(held_out)]
 
