@@ -99,6 +99,15 @@ def _search_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_init_hf(args: argparse.Namespace) -> int:
+    from megatron_rl.checkpoint.hf_init import init_hf_model
+    from megatron_rl.models.registry import get_model_spec
+
+    out = init_hf_model(get_model_spec(args.model), args.tokenizer, args.out, seed=args.seed)
+    print(f"[convert] {args.model} with random weights (seed {args.seed}) -> {out}", flush=True)
+    return 0
+
+
 def _search_serve(args: argparse.Namespace) -> int:
     from megatron_rl.env.index import IndexOpenError, SearchIndex
     from megatron_rl.env.service import serve
@@ -234,28 +243,14 @@ def _launch(fn, nproc: int, *args, backend: str = "auto") -> list:
 
 
 def _quickstart(args: argparse.Namespace) -> int:
-    """The embedded default: RL that learns (the sanity task), then the search agent's loop."""
-    from megatron_rl.distributed.worker_pool import WorkerPool
-    from megatron_rl.train import train
-    from megatron_rl.utils.logs import quiet_libraries
+    """The embedded default end to end (megatron_rl/quickstart.py)."""
+    from megatron_rl.quickstart import quickstart
 
-    quiet_libraries()
-    out = Path("runs/quickstart")
-    runs = [("tiny-moe-rl-sanity-cpu", [f"train.output_dir={out}/sanity"]),
-            ("tiny-moe-rl-cpu", ["train.steps=4", f"train.output_dir={out}/search",
-                                 f"checkpoint.dir={out}/search/checkpoints"])]
-    with WorkerPool(args.nproc) as pool:
-        for recipe, overrides in runs:
-            cfg = _load(recipe, [*overrides, *args.overrides])
-            agent = cfg.rl.agent
-            print(f"[quickstart] {recipe}: {cfg.rl.task} task, {agent} agent, "
-                  f"{cfg.train.steps} steps", flush=True)
-            rows = train(cfg, pool)
-            first, last = rows[0], rows[-1]
-            print(f"[quickstart] reward {first['reward/outcome_mean']:.3f} -> "
-                  f"{last['reward/outcome_mean']:.3f}, entropy {first.get('entropy', 0):.3f} -> "
-                  f"{last.get('entropy', 0):.3f}; curves: {cfg.train.output_dir}/rl_curves.png",
-                  flush=True)
+    try:
+        quickstart(Path(args.out), seed=args.seed, smoke=args.smoke)
+    except (RuntimeError, FileNotFoundError) as e:
+        print(f"megatron-rl quickstart: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -300,6 +295,15 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--model", required=True, help="registry entry, e.g. qwen3-30b-a3b")
     h2m.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     h2m.set_defaults(func=_convert_hf_to_megatron)
+    ini = csub2.add_parser("init-hf", help="a new HF folder with random weights, sized to a "
+                           "tokenizer folder")
+    ini.add_argument("--model", required=True, help="registry entry (architecture), e.g. "
+                     "tiny-moe")
+    ini.add_argument("--tokenizer", required=True, help="HF tokenizer folder (with a chat "
+                     "template)")
+    ini.add_argument("--out", required=True, help="HF folder to create")
+    ini.add_argument("--seed", type=int, default=0)
+    ini.set_defaults(func=_convert_init_hf)
     m2h = csub2.add_parser("megatron-to-hf", help="torch_dist → HF safetensors (streaming)")
     m2h.add_argument("--ckpt", required=True, help="a step folder, or a run folder with latest")
     m2h.add_argument("--out", required=True, help="HF folder to create")
@@ -337,8 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "OpenAI-compatible model, judged (pass@1)")
     ev.add_argument("--agent", default="itersynth",
                     help="a registered agent (react, itersynth) or an import path module:attr")
-    ev.add_argument("--model-url", dest="model_url", required=True,
-                    help="OpenAI-compatible base URL ending in /v1")
+    model = ev.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model-url", dest="model_url",
+                       help="OpenAI-compatible base URL ending in /v1")
+    model.add_argument("--model-dir", dest="model_dir",
+                       help="an HF folder (e.g. a run's export), served here by the embedded "
+                       "engine token in, token out")
     ev.add_argument("--model", default="default")
     ev.add_argument("--api-key-env", dest="api_key_env", default=None,
                     help="name of the environment variable holding the API key")
@@ -360,9 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_data_commands(sub)
 
-    q = sub.add_parser("quickstart", help="the embedded default on this machine's CPUs")
-    q.add_argument("overrides", nargs="*")
-    q.add_argument("--nproc", type=int, default=2)
+    q = sub.add_parser("quickstart", help="the embedded default on this machine's CPUs: "
+                       "world -> questions -> teacher -> SFT -> RDPO -> held-out eval")
+    q.add_argument("--out", default="runs/quickstart")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--smoke", action="store_true", help="tiny budgets: an end-to-end check")
     q.set_defaults(func=_quickstart)
     return p
 
@@ -382,8 +392,36 @@ def _add_data_commands(sub: Any) -> None:
     for add in (add_world_parser, add_synthesize_parser, add_teacher_parser, add_filter_parser,
                 add_mask_parser, add_climb_parser):
         add(dsub)
+    tk = dsub.add_parser("tokenizer", help="train a ChatML tokenizer folder on a corpus")
+    tk.add_argument("--corpus", nargs="+", required=True,
+                    help=".parquet/.jsonl with title/text (or question) columns")
+    tk.add_argument("--out", required=True, help="HF tokenizer folder to create")
+    tk.add_argument("--vocab-size", dest="vocab_size", type=int, default=2048)
+    tk.set_defaults(func=_data_tokenizer)
     for action in dsub.choices.values():  # bad input is an error that names it, not a trace
         action.set_defaults(func=_user_errors(action.get_default("func")))
+
+
+def _data_tokenizer(args: argparse.Namespace) -> int:
+    """A ChatML tokenizer folder trained on a corpus's titles and texts."""
+    from megatron_rl.agents.tokenizer import train_chat_tokenizer
+    from megatron_rl.data.parquet import iter_rows
+
+    def texts():
+        for path in args.corpus:
+            for _where, row in iter_rows(Path(path)):
+                for key in ("title", "text", "question"):
+                    if isinstance(row.get(key), str):
+                        yield row[key]
+
+    tokenizer = train_chat_tokenizer(texts(), args.vocab_size)
+    out = Path(args.out)
+    tmp = out.with_name(f".tmp-{out.name}")
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(out)
+    print(f"[tokenizer] {len(tokenizer)} tokens (ChatML, tool and think tokens; chat template) "
+          f"-> {out}", flush=True)
+    return 0
 
 
 def _user_errors(func: Any) -> Any:

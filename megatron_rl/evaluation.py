@@ -23,7 +23,8 @@ from typing import Any
 @dataclass
 class EvalConfig:
     questions: str
-    model_url: str                       # an OpenAI-compatible base URL, ending in /v1
+    model_url: str | None = None         # an OpenAI-compatible base URL, ending in /v1
+    model_dir: str | None = None         # or an HF folder, served here by the embedded engine
     model: str = "default"
     api_key_env: str | None = None       # the *name* of the variable holding the key
     agent: str = "itersynth"             # itersynth | react
@@ -41,8 +42,9 @@ class EvalConfig:
     temperature: float = 0.0
 
 
-def read_questions(path: str, limit: int | None = None) -> list[dict[str, str]]:
-    """Rows with a question and its reference answer, named by the column that is missing."""
+def read_questions(path: str, limit: int | None = None) -> list[dict[str, Any]]:
+    """Rows with a question and its reference answer (`question`/`answer` columns, or the verl
+    schema: `prompt` and `reward_model.ground_truth`), named by the column that is missing."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"questions file not found: {p}")
@@ -58,6 +60,12 @@ def read_questions(path: str, limit: int | None = None) -> list[dict[str, str]]:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{p}:{n}: not JSON ({e.msg})") from None
+    if rows and "question" not in rows[0] and "prompt" in rows[0]:  # verl schema
+        from megatron_rl.data.parquet import read_prompts
+
+        prompts = read_prompts([p])[:limit or None]
+        return [{"question": q.question, "answer": q.answer, "messages": q.messages}
+                for q in prompts]
     out = []
     for n, row in enumerate(rows[:limit] if limit else rows, 1):
         question, answer = row.get("question"), row.get("answer", row.get("reference"))
@@ -82,6 +90,11 @@ def _tools(cfg: EvalConfig) -> list:
 
 
 def _tokenizer(cfg: EvalConfig) -> Any:
+    if cfg.tokenizer or cfg.model_dir:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model_dir,
+                                             local_files_only=True)
     if cfg.tokenizer:
         from transformers import AutoTokenizer
 
@@ -127,10 +140,25 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
         max_context_tokens=max(32_768, 4 * cfg.max_new_tokens))
     agent = for_eval(agent_cls(tokenizer, _tools(cfg), agent_cfg), discard_all=True,
                      retries=cfg.retries)
-    engine = OpenAIChatEngine(ChatClient(ClientConfig(
-        base_url=cfg.model_url, model=cfg.model, api_key_env=cfg.api_key_env,
-        max_concurrency=cfg.concurrency, max_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature)), tokenizer)
+    server = None
+    if cfg.model_dir:  # token in, token out: the agent's contexts exactly as in training
+        import transformers
+
+        from megatron_rl.engines.embedded import EmbeddedServer
+        from megatron_rl.engines.http_client import HttpEngine
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_dir,
+                                                                  local_files_only=True)
+        server = EmbeddedServer(model, tokenizer, max_batch_size=cfg.concurrency).start()
+        engine: Any = HttpEngine(server.url)
+    elif cfg.model_url:
+        engine = OpenAIChatEngine(ChatClient(ClientConfig(
+            base_url=cfg.model_url, model=cfg.model, api_key_env=cfg.api_key_env,
+            max_concurrency=cfg.concurrency, max_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature)), tokenizer)
+    else:
+        raise ValueError("give --model-url (an OpenAI-compatible endpoint) or --model-dir "
+                         "(an HF folder)")
     judge = build_judge({"kind": "genrm", "base_url": cfg.judge_url, "model": cfg.judge_model}
                         if cfg.judge_url else None)
     out = Path(cfg.out)
@@ -145,16 +173,21 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
             uid = f"q{i}-{uuid.uuid4().hex[:6]}"
             try:
                 traj = await agent.run(row["question"], row["answer"], engine, group_id=f"q{i}",
-                                       uid=uid)
+                                       uid=uid, **({"messages": row["messages"]}
+                                                   if row.get("messages") else {}))
             except Exception as e:  # the model endpoint failed for good: count, don't stop
                 return None, f"{type(e).__name__}: {e}"
             await judge_trajectory(traj, judge)
             bar.update(1)
             return traj, None
 
-    results = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
-    bar.close()
-    await engine.close()
+    try:
+        results = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+    finally:
+        bar.close()
+        await engine.close()
+        if server is not None:
+            server.stop()
     trajectories = [t for t, _ in results if t is not None]
     failures = [why for _, why in results if why is not None]
     with (out / "trajectories.jsonl").open("w") as f:
@@ -162,7 +195,7 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
             f.write(json.dumps(t.to_dict()) + "\n")
     judged = [t for t in trajectories if "outcome" in t.rewards]
     summary = {
-        "agent": cfg.agent, "model": cfg.model, "questions": len(rows),
+        "agent": cfg.agent, "model": cfg.model_dir or cfg.model, "questions": len(rows),
         "pass@1": sum(t.metadata["judge"]["correct"] is True for t in judged) / len(rows),
         "mean_score": sum(t.rewards["outcome"] for t in judged) / max(len(judged), 1),
         "engine_failures": len(failures), "judge_failures": len(trajectories) - len(judged),

@@ -6,6 +6,8 @@ keeps the agent's token bookkeeping: a hosted model sees text.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from typing import Any
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -58,6 +60,13 @@ def tiny_qwen3_tokenizer(vocab_size: int = 512) -> Any:
     """A byte-level BPE tokenizer (any text round-trips) with Qwen3's special tokens
     (`<|im_start|>`…, special) and tool/think tokens (added, not special), trained here in
     milliseconds; `vocab_size` total ids, so ids fit a tiny model's embedding."""
+    return train_chat_tokenizer((), vocab_size)
+
+
+def train_chat_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
+    """A ChatML tokenizer trained on `texts`: byte-level BPE with Qwen3's special, tool and
+    think tokens and its chat template, `vocab_size` ids in all (an HF fast tokenizer;
+    `save_pretrained` writes a folder transformers loads offline)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -65,7 +74,8 @@ def tiny_qwen3_tokenizer(vocab_size: int = 512) -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     n_added = len(SPECIAL_TOKENS) + len(ADDED_TOKENS)
-    tok.train_from_iterator(_CORPUS * 4, trainers.BpeTrainer(
+    # the agents' own scaffolding (prompts, tool-call JSON) is always part of the corpus
+    tok.train_from_iterator(itertools.chain(_CORPUS * 4, texts), trainers.BpeTrainer(
         vocab_size=vocab_size - n_added, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)

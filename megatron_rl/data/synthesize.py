@@ -204,7 +204,10 @@ def describe(kind: str, quals: Sequence[Constraint], article: str = "the") -> st
 
 def render_question(kind_of: Callable[[int], str], c_path: Sequence[int], anchor: Anchor,
                     relations: Sequence[str], qualifiers: Sequence[Sequence[Constraint]]) -> str:
-    np = describe(anchor.kind, anchor.attrs)
+    if anchor.name is not None:
+        np = anchor.name
+    else:
+        np = describe(anchor.kind, anchor.attrs)
     clauses = [f"{_LINK[rel]} {describe(RELATIONS[rel].dst, [(attr, v)], 'a')}"
                for rel, attr, v in anchor.links]
     if clauses:
@@ -223,8 +226,10 @@ class RuleSynthesizer(Synthesizer):
     source = "world-rule"
 
     def __init__(self, world: World, min_hops: int = 3, max_hops: int | None = None,
-                 max_entities: int = 48, max_anchor_constraints: int = 4):
+                 max_entities: int = 48, max_anchor_constraints: int = 4,
+                 anchor: str = "abstract"):
         self.world = world
+        self.anchor = anchor  # "named": the first entity keeps its name (an easier task)
         self.min_hops = min_hops
         self.max_hops = max_hops if max_hops is not None else min_hops + 1
         self.max_entities = max_entities
@@ -324,7 +329,8 @@ class RuleSynthesizer(Synthesizer):
             if q is None:
                 return None, "step_not_unique"
             quals.append(q)
-        anchor = self._anchor(path[0], path, rng)
+        anchor = (Anchor(path[0], w.kind(path[0]), name=w.name(path[0]))
+                  if self.anchor == "named" else self._anchor(path[0], path, rng))
         if anchor is None:
             return None, "anchor_not_unique"
         text = render_question(w.kind, path, anchor, rels, quals)
@@ -609,6 +615,9 @@ def add_synthesize_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=500, help="questions to keep")
     p.add_argument("--max-seeds", type=int, default=None, help="default: 4 × --questions")
     p.add_argument("--min-hops", type=int, default=3)
+    p.add_argument("--anchor", choices=("abstract", "named"), default="abstract",
+                   help="rule: abstract the first entity into a description (Iris), or name "
+                   "it (the later hops stay searches either way)")
     p.add_argument("--max-pages", type=int, default=48, help="pages per expanded subgraph")
     p.add_argument("--text-budget", type=int, default=1500, help="characters kept per page")
     p.add_argument("--held-out-fraction", type=float, default=0.1)
@@ -644,7 +653,7 @@ async def _run(a: argparse.Namespace) -> int:
     clients: list[ChatClient] = []
     if a.synthesizer == "rule":
         assert world is not None
-        synth: Synthesizer = RuleSynthesizer(world, a.min_hops)
+        synth: Synthesizer = RuleSynthesizer(world, a.min_hops, anchor=a.anchor)
     else:
         if not a.base_url:
             print("--synthesizer llm needs --base-url")

@@ -58,6 +58,7 @@ class Anchor:
     kind: str
     attrs: tuple[Constraint, ...] = ()
     links: tuple[tuple[str, str, Any], ...] = ()  # (relation, object attribute, value)
+    name: str | None = None  # a named anchor: the question names the first entity outright
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,8 @@ class RuleVerifier:
 
     def resolve_anchor(self, anchor: Anchor) -> set[int]:
         w = self.world
+        if anchor.name is not None:
+            return {e for e in w.ids(anchor.kind) if anchor.name in w.names(e)}
         out: set[int] | None = None
         for attr, value in anchor.attrs:
             s = set(w.with_attr(anchor.kind, attr, value))
@@ -177,9 +180,10 @@ class RuleVerifier:
         if leaked:
             return Verdict(False, "answer_leak", f"the question names the answer as {leaked}")
         names = self._name_index()
+        named = c.path[0] if c.anchor.name is not None else None
         for gram in ngrams(c.question):
             eid = names.get(gram)
-            if eid is not None and eid != answer_id:
+            if eid is not None and eid not in (answer_id, named):
                 return Verdict(False, "name_leak", f"{gram!r} names {w.name(eid)!r}")
         path = set(c.path)
         for rel, _attr, _value in c.anchor.links:

@@ -1,0 +1,194 @@
+"""`megatron-rl quickstart [--out DIR] [--seed S]`: the embedded default, end to end, as the
+commands a user would type (each printed before it runs):
+
+world + index → synthesized, verified questions (train / held-out split by answer entity) →
+a tokenizer trained on the world → a tiny HF MoE initialised over it → oracle-teacher IterSynth
+and ReAct trajectories → filters → `sft` → RDPO with the IterSynth agent against the local index
+(the rule judge and the rule rubric) → HF export → held-out evaluation of the untrained, SFT and
+RL models → `report.md`, curves and the trajectory viewer.
+
+Every stage leaves an artifact and a line in `<out>/stages.json`; a re-run skips the stages
+already done (delete a stage's line, or its artifact, to redo it). `--smoke` shrinks every
+budget to an end-to-end check of a couple of minutes (what `make test` runs).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.report import write_report
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a quickstart run spends; `SMOKE` is the test's."""
+
+    pages: int = 400
+    questions: int = 240
+    vocab_size: int = 1024
+    sft_steps: int = 150
+    rl_steps: int = 8
+    eval_questions: int = 0        # 0: the whole held-out split
+    extra_rl: tuple[str, ...] = ()
+
+
+FULL = Budget()
+SMOKE = Budget(pages=120, questions=40, vocab_size=512, sft_steps=2, rl_steps=1,
+               eval_questions=4, extra_rl=("rl.sampling.groups_per_step=1",
+                                           "rl.sampling.samples_per_prompt=2", "rl.max_turns=4",
+                                           "rl.max_new_tokens=32"))
+
+
+@dataclass
+class Stage:
+    name: str
+    argv: list[str]                       # a `megatron-rl` command line
+    artifact: Path                        # it exists once the stage is done
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
+    w, q, t = out / "world", out / "questions", out / "teacher"
+    index, model, tok = w / "index", out / "model", out / "tokenizer"
+    held_out = q / "held_out.parquet"
+    kept = [str(t / "itersynth.kept.jsonl"), str(t / "react.kept.jsonl")]
+    ev = ["--agent", "itersynth", "--questions", str(held_out), "--index", str(index),
+          "--max-turns", "12", "--max-new-tokens", "160", "--temperature", "0",
+          *(["--limit", str(b.eval_questions)] if b.eval_questions else [])]
+    out_list = [
+        Stage("world", ["data", "world", "--pages", str(b.pages), "--seed", str(seed),
+                        "--out", str(w / "corpus.parquet"), "--index", str(index)],
+              index),
+        Stage("questions", ["data", "synthesize", "--pages", str(b.pages), "--seed", str(seed),
+                            "--questions", str(b.questions), "--min-hops", "2",
+                            "--anchor", "named", "--held-out-fraction", "0.2",
+                            "--out", str(q)], held_out),
+        Stage("tokenizer", ["data", "tokenizer", "--corpus", str(w / "corpus.parquet"),
+                            "--out", str(tok), "--vocab-size", str(b.vocab_size)], tok),
+        Stage("model", ["convert", "init-hf", "--model", "tiny-moe", "--tokenizer", str(tok),
+                        "--out", str(model), "--seed", str(seed)], model),
+    ]
+    for agent in ("itersynth", "react"):
+        out_list.append(Stage(f"teacher-{agent}", [
+            "data", "teacher", "--agent", agent, "--questions", str(q / "train.parquet"),
+            "--index", str(index), "--tokenizer", str(tok), "--vocab-size",
+            str(b.vocab_size), "--out", str(t / f"{agent}.jsonl")], t / f"{agent}.jsonl"))
+        out_list.append(Stage(f"filter-{agent}", [
+            "data", "filter", str(t / f"{agent}.jsonl"), str(t / f"{agent}.kept.jsonl"),
+            "--min-depth", "2", "--report", str(t / f"filter-{agent}.json")],
+            t / f"{agent}.kept.jsonl"))
+    out_list.append(Stage("teacher-held-out", [
+        "data", "teacher", "--agent", "itersynth", "--questions", str(held_out),
+        "--index", str(index), "--tokenizer", str(tok), "--vocab-size", str(b.vocab_size),
+        "--out", str(t / "held_out.jsonl")], t / "held_out.jsonl"))
+    out_list += [
+        Stage("sft", ["sft", "tiny-moe-sft-cpu", f"model.hf_path={model}",
+                      "model.seq_length=1536", f"sft.train_files=[{','.join(kept)}]",
+                      f"sft.val_files=[{t / 'held_out.jsonl'}]", "sft.eval_every=20",
+                      "sft.eval_sequences=64", f"train.steps={b.sft_steps}",
+                      "train.max_tokens_per_microbatch=4096", f"train.seed={seed}",
+                      f"train.output_dir={out / 'sft'}",
+                      f"checkpoint.dir={out / 'sft/checkpoints'}", "checkpoint.save_every=0",
+                      "checkpoint.export_hf=true"], out / "sft/hf"),
+        Stage("rl", ["train", "tiny-moe-rdpo-cpu", f"model.hf_path={model}",
+                     f"checkpoint.init_from={out / 'sft/checkpoints'}",
+                     f"data.train_files=[{q / 'train.parquet'}]",
+                     f"data.val_files=[{held_out}]", "env.search.kind=local",
+                     f"env.search.index={index}", "env.visit.kind=local",
+                     f"train.steps={b.rl_steps}", f"train.seed={seed}",
+                     f"train.output_dir={out / 'rl'}", f"checkpoint.dir={out / 'rl/checkpoints'}",
+                     *b.extra_rl], out / "rl/hf"),
+        Stage("eval-untrained", ["eval", "--model-dir", str(model), *ev,
+                                 "--out", str(out / "eval/untrained")],
+              out / "eval/untrained/summary.json"),
+        Stage("eval-sft", ["eval", "--model-dir", "{sft/hf}", *ev, "--out",
+                           str(out / "eval/sft")], out / "eval/sft/summary.json"),
+        Stage("eval-rl", ["eval", "--model-dir", "{rl/hf}", *ev, "--out", str(out / "eval/rl")],
+              out / "eval/rl/summary.json"),
+    ]
+    return out_list
+
+
+def _latest_export(folder: Path) -> Path:
+    steps = sorted(folder.glob("step_*"))
+    if not steps:
+        raise FileNotFoundError(f"{folder}: no HF export (step_*) there")
+    return steps[-1]
+
+
+def _resolve(argv: list[str], out: Path) -> list[str]:
+    """`{sft/hf}` → that run's latest HF export (known only once the run is done)."""
+    return [str(_latest_export(out / a[1:-1])) if a.startswith("{") and a.endswith("}") else a
+            for a in argv]
+
+
+def run_stages(out: Path, todo: list[Stage]) -> dict[str, Any]:
+    log = out / "stages.json"
+    state: dict[str, Any] = json.loads(log.read_text()) if log.is_file() else {}
+    for i, stage in enumerate(todo, 1):
+        if stage.name in state and stage.artifact.exists():
+            print(f"[quickstart] {i}/{len(todo)} {stage.name}: done "
+                  f"({state[stage.name]['seconds']:.0f}s, earlier run)", flush=True)
+            continue
+        argv = _resolve(stage.argv, out)
+        print(f"[quickstart] {i}/{len(todo)} {stage.name}\n$ megatron-rl {' '.join(argv)}",
+              flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *argv]).returncode
+        if rc != 0:
+            raise RuntimeError(f"stage {stage.name} failed (exit code {rc}); fix it and re-run "
+                               "to continue from this stage")
+        state[stage.name] = {"seconds": round(time.perf_counter() - t0, 1), "argv": argv}
+        log.write_text(json.dumps(state, indent=1))
+    return state
+
+
+def report(out: Path, state: dict[str, Any]) -> Path:
+    """`report.md`: stage timings, held-out accuracy per model, SFT and RL numbers, pictures."""
+    pictures = write_report(out / "rl", out / "report")
+    rows = []
+    for name in ("untrained", "sft", "rl"):
+        s = json.loads((out / f"eval/{name}/summary.json").read_text())
+        rows.append(f"| {name} | {s['pass@1']:.3f} | {s['questions']} | "
+                    f"{s.get('rollout/tool_calls_mean', float('nan')):.2f} | "
+                    f"{s.get('rollout/turns_mean', float('nan')):.1f} |")
+    sft = [json.loads(x) for x in (out / "sft/metrics.jsonl").read_text().splitlines()]
+    rl = [json.loads(x) for x in (out / "rl/metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval/loss"] for r in sft if "eval/loss" in r]
+    counts = json.loads((out / "questions/counts.json").read_text())
+    lines = [
+        "# megatron-rl quickstart report", "",
+        f"Total time {sum(v['seconds'] for v in state.values()) / 60:.1f} min.", "",
+        "## Held-out accuracy (pass@1, greedy, IterSynth agent)", "",
+        "| model | pass@1 | questions | tool calls / question | turns |",
+        "|---|---|---|---|---|", *rows, "",
+        "## Training", "",
+        f"- questions: {json.dumps(counts)}",
+        f"- SFT: loss {sft[1]['loss']:.3f} -> {sft[-1]['loss']:.3f} over {len(sft) - 1} steps" +
+        (f"; held-out loss {evals[0]:.3f} -> {evals[-1]:.3f}" if evals else ""),
+        f"- RL (RDPO): reward {rl[0]['reward/outcome_mean']:.3f} -> "
+        f"{rl[-1]['reward/outcome_mean']:.3f}, pass rate {rl[0]['rollout/pass_rate']:.3f} -> "
+        f"{rl[-1]['rollout/pass_rate']:.3f} over {len(rl)} steps", "",
+        "## Stages", "", "| stage | seconds |", "|---|---|",
+        *[f"| {k} | {v['seconds']:.0f} |" for k, v in state.items()], "",
+        "## Pictures", "",
+        *[f"![{k}]({p.relative_to(out)})" for k, p in pictures.items() if p.suffix == ".png"],
+        "", "Trajectories: [report/trajectories.html](report/trajectories.html)", "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def quickstart(out: Path, seed: int = 0, smoke: bool = False) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    state = run_stages(out, stages(out, seed, SMOKE if smoke else FULL))
+    path = report(out, state)
+    print(f"[quickstart] report: {path}", flush=True)
+    return path

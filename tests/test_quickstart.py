@@ -1,0 +1,107 @@
+"""The quickstart's own commands (tokenizer, init-hf, named-anchor synthesis, eval of an HF
+folder) and the shortened quickstart end to end: every stage writes its artifact, a re-run
+resumes, and the report parses."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+
+
+def _cli(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *argv], capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_named_anchor_questions_name_their_start_and_still_need_hops(tmp_path):
+    _cli("data", "synthesize", "--pages", "300", "--seed", "3", "--questions", "40",
+         "--min-hops", "2", "--anchor", "named", "--out", str(tmp_path))
+    rows = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    assert len(rows) >= 30
+    from megatron_rl.data.world import generate_world
+
+    world = generate_world(300, seed=3)
+    for r in rows:
+        info, question = r["extra_info"], r["prompt"][-1]["content"]
+        start = world.name(world.by_url(info["support"][0]))
+        assert start in question  # the first entity is named ...
+        assert info["hops"] >= 2 and len(info["support"]) == info["hops"] + 1
+        # ... and neither the answer nor any bridge entity is
+        assert not any(a in question for a in r["reward_model"]["ground_truth"])
+        assert not any(f in question for f in info["facts"])
+
+
+def test_tokenizer_init_hf_and_eval_of_an_hf_folder(tmp_path):
+    corpus, index = tmp_path / "corpus.parquet", tmp_path / "index"
+    _cli("data", "world", "--pages", "120", "--seed", "1", "--out", str(corpus),
+         "--index", str(index))
+    _cli("data", "tokenizer", "--corpus", str(corpus), "--out", str(tmp_path / "tok"),
+         "--vocab-size", "600")
+    _cli("convert", "init-hf", "--model", "tiny-moe", "--tokenizer", str(tmp_path / "tok"),
+         "--out", str(tmp_path / "model"), "--seed", "5")
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "model")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert len(tok) == 600 and model.config.vocab_size == 640  # rounded up to 64
+    assert tok.chat_template and "<tool_call>" in tok.get_vocab()
+    text = "Notable people born in Pehaven include Lenri Yorumjal."
+    assert tok.decode(tok.encode(text)) == text
+    # the world's words are single tokens more often than with the generic tiny tokenizer
+    from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
+
+    page = pq.read_table(corpus).to_pylist()[0]["text"]
+    assert len(tok.encode(page)) < 0.7 * len(tiny_qwen3_tokenizer(600).encode(page))
+    # the folder cannot be overwritten
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "convert", "init-hf",
+                           "--model", "tiny-moe", "--tokenizer", str(tmp_path / "tok"),
+                           "--out", str(tmp_path / "model")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "exists" in proc.stderr
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question": f"Where was person {i} born?",
+                                             "answer": "Pehaven"}) + "\n" for i in range(3)))
+    proc = _cli("eval", "--model-dir", str(tmp_path / "model"), "--questions", str(questions),
+                "--index", str(index), "--max-turns", "2", "--max-new-tokens", "16",
+                "--out", str(tmp_path / "ev"))
+    summary = json.loads((tmp_path / "ev/summary.json").read_text())
+    assert summary["questions"] == 3 and summary["engine_failures"] == 0
+    assert summary["model"] == str(tmp_path / "model")
+    rows = [json.loads(x) for x in (tmp_path / "ev/trajectories.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["turns"][0]["output_ids"] for r in rows)  # tokens, not text
+
+
+def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
+    out = tmp_path / "qs"
+    _cli("quickstart", "--out", str(out), "--smoke", timeout=900)
+    state = json.loads((out / "stages.json").read_text())
+    assert list(state) == ["world", "questions", "tokenizer", "model", "teacher-itersynth",
+                           "filter-itersynth", "teacher-react", "filter-react",
+                           "teacher-held-out", "sft", "rl", "eval-untrained", "eval-sft",
+                           "eval-rl"]
+    for path in ("world/index", "questions/held_out.parquet", "tokenizer/tokenizer.json",
+                 "model/config.json", "teacher/itersynth.kept.jsonl", "sft/hf",
+                 "rl/hf", "rl/trajectories.jsonl", "eval/rl/summary.json",
+                 "report/trajectories.html", "report/reward_accuracy.png"):
+        assert (out / path).exists(), path
+    # train and held-out questions share no answer entity
+    train = {r["extra_info"]["answer_entity"]
+             for r in pq.read_table(out / "questions/train.parquet").to_pylist()}
+    held = {r["extra_info"]["answer_entity"]
+            for r in pq.read_table(out / "questions/held_out.parquet").to_pylist()}
+    assert train and held and not train & held
+    text = (out / "report.md").read_text()
+    table = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \| (\d+) \|", text, re.M)
+    assert [t[0] for t in table] == ["untrained", "sft", "rl"]
+    assert all(0.0 <= float(acc) <= 1.0 and int(n) == 4 for _, acc, n in table)
+    for _, png in re.findall(r"!\[([^\]]+)\]\(([^)]+)\)", text):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a re-run resumes: every stage is skipped, the report is rewritten
+    proc = _cli("quickstart", "--out", str(out), "--smoke")
+    assert proc.stdout.count("earlier run") == len(state) and "$ megatron-rl" not in proc.stdout
