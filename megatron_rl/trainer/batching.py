@@ -84,6 +84,8 @@ def rl_batch(trajectories: Sequence[Trajectory], rl: RLConfig, *, seq_length: in
         rubric_weight=rl.rubric_weight)
     seqs, per_token = [], []
     for traj, advantages in zip(trajectories, per_turn, strict=True):
+        # kept with the trajectory: the dump (and the trajectory viewer) shows them per turn
+        traj.metadata["turn_advantages"] = [round(float(a), 6) for a in advantages]
         own = traj.sequences()
         seqs += own
         per_token += token_advantages(own, advantages)
