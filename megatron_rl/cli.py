@@ -247,7 +247,7 @@ def _quickstart(args: argparse.Namespace) -> int:
     from megatron_rl.quickstart import quickstart
 
     try:
-        quickstart(Path(args.out), seed=args.seed, smoke=args.smoke)
+        quickstart(Path(args.out), seed=args.seed, smoke=args.smoke, ablation=args.ablation)
     except (RuntimeError, FileNotFoundError) as e:
         print(f"megatron-rl quickstart: {e}", file=sys.stderr)
         return 1
@@ -373,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", default="runs/quickstart")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--smoke", action="store_true", help="tiny budgets: an end-to-end check")
+    q.add_argument("--ablation", action="store_true", help="also RL with GRPO, mixed-role "
+                   "RDPO and ReAct+GRPO from the same SFT start, evaluated alike")
     q.set_defaults(func=_quickstart)
     return p
 

@@ -115,6 +115,33 @@ def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
     return out_list
 
 
+# quickstart --ablation: the same SFT start, budget and seed; only the RL method changes
+ABLATION = {
+    "grpo": ["rl.reward_manager=grpo", "rl.rubric={}"],
+    "rdpo_mixed": ["rl.reward_manager=rdpo_mixed"],
+    "react_grpo": ["rl.agent=react", "rl.reward_manager=grpo", "rl.rubric={}"],
+}
+
+
+def ablation_stages(out: Path, main: list[Stage]) -> list[Stage]:
+    """One RL run and its held-out eval per variant; RDPO itself is the main run."""
+    rl = next(s for s in main if s.name == "rl")
+    ev = next(s for s in main if s.name == "eval-rl")
+    extra = []
+    for name, overrides in ABLATION.items():
+        run = out / f"ablation/{name}"
+        argv = [a for a in rl.argv if not a.startswith(("train.output_dir=", "checkpoint.dir="))]
+        extra.append(Stage(f"rl-{name}", [*argv, *overrides, f"train.output_dir={run}",
+                                          f"checkpoint.dir={run / 'checkpoints'}"], run / "hf"))
+        agent = "react" if "rl.agent=react" in overrides else "itersynth"
+        eargv = [a for a in ev.argv]
+        eargv[eargv.index("--model-dir") + 1] = f"{{ablation/{name}/hf}}"
+        eargv[eargv.index("--agent") + 1] = agent
+        eargv[eargv.index("--out") + 1] = str(out / f"eval/{name}")
+        extra.append(Stage(f"eval-{name}", eargv, out / f"eval/{name}/summary.json"))
+    return extra
+
+
 def _latest_export(folder: Path) -> Path:
     steps = sorted(folder.glob("step_*"))
     if not steps:
@@ -149,15 +176,30 @@ def run_stages(out: Path, todo: list[Stage]) -> dict[str, Any]:
     return state
 
 
-def report(out: Path, state: dict[str, Any]) -> Path:
+def _eval_row(out: Path, name: str) -> str:
+    """A table row: pass@1, tool calls per question and the largest context an episode built
+    (IterSynth's stays bounded by the summary; ReAct's grows with every observation)."""
+    folder = out / f"eval/{name}"
+    s = json.loads((folder / "summary.json").read_text())
+    peaks = [max((len(t.get("context_ids") or []) + len(t.get("output_ids") or [])
+                  for t in row["turns"]), default=0)
+             for row in map(json.loads, (folder / "trajectories.jsonl").read_text().split("\n")
+                            [:-1])]
+    return (f"| {name} | {s['pass@1']:.3f} | {s['questions']} | "
+            f"{s.get('tools/calls_mean', float('nan')):.2f} | "
+            f"{sum(peaks) / max(len(peaks), 1):.0f} |")
+
+
+def report(out: Path, state: dict[str, Any], ablation: bool = False) -> Path:
     """`report.md`: stage timings, held-out accuracy per model, SFT and RL numbers, pictures."""
     pictures = write_report(out / "rl", out / "report")
-    rows = []
-    for name in ("untrained", "sft", "rl"):
-        s = json.loads((out / f"eval/{name}/summary.json").read_text())
-        rows.append(f"| {name} | {s['pass@1']:.3f} | {s['questions']} | "
-                    f"{s.get('rollout/tool_calls_mean', float('nan')):.2f} | "
-                    f"{s.get('rollout/turns_mean', float('nan')):.1f} |")
+    rows = [_eval_row(out, name) for name in ("untrained", "sft", "rl")]
+    head = ["| model | pass@1 | questions | tool calls / question | context tokens / episode |",
+            "|---|---|---|---|---|"]
+    if ablation:
+        rows += ["", "## Ablation (same SFT start, budget and seed)", "", *head,
+                 _eval_row(out, "rl").replace("| rl |", "| rdpo (itersynth) |"),
+                 *[_eval_row(out, name) for name in ABLATION]]
     sft = [json.loads(x) for x in (out / "sft/metrics.jsonl").read_text().splitlines()]
     rl = [json.loads(x) for x in (out / "rl/metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/loss"] for r in sft if "eval/loss" in r]
@@ -166,8 +208,7 @@ def report(out: Path, state: dict[str, Any]) -> Path:
         "# megatron-rl quickstart report", "",
         f"Total time {sum(v['seconds'] for v in state.values()) / 60:.1f} min.", "",
         "## Held-out accuracy (pass@1, greedy, IterSynth agent)", "",
-        "| model | pass@1 | questions | tool calls / question | turns |",
-        "|---|---|---|---|---|", *rows, "",
+        *head, *rows, "",
         "## Training", "",
         f"- questions: {json.dumps(counts)}",
         f"- SFT: loss {sft[1]['loss']:.3f} -> {sft[-1]['loss']:.3f} over {len(sft) - 1} steps" +
@@ -186,9 +227,12 @@ def report(out: Path, state: dict[str, Any]) -> Path:
     return path
 
 
-def quickstart(out: Path, seed: int = 0, smoke: bool = False) -> Path:
+def quickstart(out: Path, seed: int = 0, smoke: bool = False, ablation: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    state = run_stages(out, stages(out, seed, SMOKE if smoke else FULL))
-    path = report(out, state)
+    todo = stages(out, seed, SMOKE if smoke else FULL)
+    if ablation:
+        todo += ablation_stages(out, todo)
+    state = run_stages(out, todo)
+    path = report(out, state, ablation)
     print(f"[quickstart] report: {path}", flush=True)
     return path
