@@ -399,6 +399,8 @@ def _add_data_commands(sub: Any) -> None:
                     help=".parquet/.jsonl with title/text (or question) columns")
     tk.add_argument("--out", required=True, help="HF tokenizer folder to create")
     tk.add_argument("--vocab-size", dest="vocab_size", type=int, default=2048)
+    tk.add_argument("--scaffolding-weight", dest="scaffolding_weight", type=int, default=10,
+                    help="copies of the agents' system prompts and tool specs in the corpus")
     tk.set_defaults(func=_data_tokenizer)
     for action in dsub.choices.values():  # bad input is an error that names it, not a trace
         action.set_defaults(func=_user_errors(action.get_default("func")))
@@ -406,6 +408,7 @@ def _add_data_commands(sub: Any) -> None:
 
 def _data_tokenizer(args: argparse.Namespace) -> int:
     """A ChatML tokenizer folder trained on a corpus's titles and texts."""
+    from megatron_rl.agents.scaffolding import agent_scaffolding
     from megatron_rl.agents.tokenizer import train_chat_tokenizer
     from megatron_rl.data.parquet import iter_rows
 
@@ -415,6 +418,8 @@ def _data_tokenizer(args: argparse.Namespace) -> int:
                 for key in ("title", "text", "question"):
                     if isinstance(row.get(key), str):
                         yield row[key]
+        # weighted like a corpus of that many episodes: merges for the system prompts too
+        yield from agent_scaffolding() * args.scaffolding_weight
 
     tokenizer = train_chat_tokenizer(texts(), args.vocab_size)
     out = Path(args.out)

@@ -31,8 +31,8 @@ class Budget:
 
     pages: int = 400
     questions: int = 240
-    vocab_size: int = 1024
-    sft_steps: int = 150
+    vocab_size: int = 2048
+    sft_steps: int = 120
     rl_steps: int = 8
     eval_questions: int = 0        # 0: the whole held-out split
     extra_rl: tuple[str, ...] = ()
@@ -92,6 +92,7 @@ def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
                       "model.seq_length=1536", f"sft.train_files=[{','.join(kept)}]",
                       f"sft.val_files=[{t / 'held_out.jsonl'}]", "sft.eval_every=20",
                       "sft.eval_sequences=64", f"train.steps={b.sft_steps}",
+                      "train.global_batch_size=16",
                       "train.max_tokens_per_microbatch=4096", f"train.seed={seed}",
                       f"train.output_dir={out / 'sft'}",
                       f"checkpoint.dir={out / 'sft/checkpoints'}", "checkpoint.save_every=0",
