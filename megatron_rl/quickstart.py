@@ -29,17 +29,17 @@ from megatron_rl.report import write_report
 class Budget:
     """What a quickstart run spends; `SMOKE` is the test's."""
 
-    pages: int = 400
-    questions: int = 240
+    pages: int = 8000
+    questions: int = 300
     vocab_size: int = 2048
-    sft_steps: int = 120
+    sft_steps: int = 200
     rl_steps: int = 8
     eval_questions: int = 0        # 0: the whole held-out split
     extra_rl: tuple[str, ...] = ()
 
 
 FULL = Budget()
-SMOKE = Budget(pages=120, questions=40, vocab_size=512, sft_steps=2, rl_steps=1,
+SMOKE = Budget(pages=1500, questions=40, vocab_size=512, sft_steps=2, rl_steps=1,
                eval_questions=4, extra_rl=("rl.sampling.groups_per_step=1",
                                            "rl.sampling.samples_per_prompt=2", "rl.max_turns=4",
                                            "rl.max_new_tokens=32"))
@@ -66,8 +66,9 @@ def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
                         "--out", str(w / "corpus.parquet"), "--index", str(index)],
               index),
         Stage("questions", ["data", "synthesize", "--pages", str(b.pages), "--seed", str(seed),
-                            "--questions", str(b.questions), "--min-hops", "2",
-                            "--anchor", "named", "--held-out-fraction", "0.2",
+                            "--questions", str(b.questions), "--max-seeds", str(b.pages),
+                            "--min-hops", "2", "--max-hops", "2", "--anchor", "named",
+                            "--unique-steps", "--held-out-fraction", "0.2",
                             "--out", str(q)], held_out),
         Stage("tokenizer", ["data", "tokenizer", "--corpus", str(w / "corpus.parquet"),
                             "--out", str(tok), "--vocab-size", str(b.vocab_size)], tok),

@@ -3,11 +3,12 @@ with the real search and visit tools, driven by a teacher instead of the policy,
 same trajectory JSONL the RL loop dumps (the input of filters and SFT).
 
 - The oracle teacher (the embedded world, or any question that carries its path): an engine
-  whose every message follows the known path. ReAct: search the question, visit the first
-  support page, then per hop search the bridge entity the visited page named and visit its
-  page, then answer. IterSynth: the Planner does the same one call per step and the
-  Synthesizer keeps, as notes, the sentences of the new evidence that name a bridge entity or
-  the answer. The queries and observations are real (real index, real pages); a trajectory
+  whose every message follows the known path. ReAct: search the question's named first
+  entity (or the question), visit the first support page, then per hop search the bridge
+  entity the visited page named and visit its page, then answer. IterSynth: the Planner does
+  the same one call per step and the Synthesizer keeps the current notes and adds a line per
+  new fact: a support page found among search results (title and URL) or the first sentence
+  of a page that names a bridge entity or the answer. The queries and observations are real (real index, real pages); a trajectory
   records in `metadata["teacher"]["grounded"]` whether every visited URL had appeared in an
   earlier observation (a demonstration a policy could follow).
 - Any OpenAI-compatible teacher (`--teacher-url`): the same agent over that chat model.
@@ -40,8 +41,7 @@ from megatron_rl.rewards.composite import build_judge, judge_trajectory
 
 _SENTENCE = re.compile(r"[^\n]+?(?:\.(?=\s)|\n|$)")
 _LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
-MAX_NOTE_SENTENCES = 4
-MAX_NOTE_CHARS = 600  # a note is a digest: it must fit one response
+MAX_NOTE_LINES = 8  # a note is a digest: it must fit one response
 
 
 @dataclass
@@ -53,25 +53,51 @@ class OraclePath:
     bridges: list[str]
     answer: str
     goals: list[str] = field(default_factory=list)
+    start: str | None = None  # the first entity's name when the question gives it
 
 
 def oracle_messages(question: str, path: OraclePath, family: Any, agent: str) -> list[str]:
     """The teacher's messages in episode order (IterSynth's Synthesizer turns are written
     from the evidence at run time, so only the Planner's are here)."""
-    calls = [("search", {"query": question})]
+    # a named first entity is searched by its name (its page is then among the results: a
+    # grounded demonstration); an abstracted one by the question itself
+    calls = [("search", {"query": path.start or question})]
     for k, url in enumerate(path.support):
         goal = path.goals[k] if k < len(path.goals) else "find the next fact the question needs"
         calls.append(("visit", {"url": url, "goal": goal}))
         if k < len(path.bridges) and k + 1 < len(path.support):
             calls.append(("search", {"query": path.bridges[k]}))
-    out = [f"{why(name, args)}\n{family.tool_call(name, args)}" for name, args in calls]
-    out.append(f"The evidence answers the question.\n<answer>{path.answer}</answer>")
+    # bare calls and a bare answer: every token a policy must learn is one it can copy
+    out = [family.tool_call(name, args) for name, args in calls]
+    out.append(f"<answer>{path.answer}</answer>")
     return out
 
 
-def why(name: str, args: dict[str, Any]) -> str:
-    return (f"I should search for {args['query']}." if name == "search"
-            else f"I will read {args['url']}.")
+_RESULT = re.compile(r"\[([^\]\n]+)\]\((https?://[^)\s]+)\)")
+
+
+def oracle_notes(current: str, evidence: str, path: OraclePath) -> str:
+    """The oracle Synthesizer's notes: the current ones kept, plus one line per new fact the
+    path needs - a search result that is a support page (`- Title: URL`, what the Planner
+    visits next) or the first sentence of a page naming a bridge entity or the answer (what
+    it searches next, or answers)."""
+    lines = [x for x in current.splitlines() if x.startswith("- ")]
+    support = set(path.support)
+    for title, url in _RESULT.findall(evidence):
+        line = f"- {title}: {url}"
+        if url in support and line not in lines:
+            lines.append(line)
+    text = _LINK.sub(r"\1", evidence)
+    for name in (*path.bridges, path.answer):
+        if any(name in x for x in lines if not x.startswith(f"- {name}: http")):
+            continue
+        for sentence in _SENTENCE.findall(text):
+            sentence = sentence.strip()
+            if (name in sentence and not sentence.startswith(("See also", "A search for"))
+                    and "<http" not in sentence and "](" not in sentence):
+                lines.append(f"- {sentence}")
+                break
+    return "\n".join(lines[-MAX_NOTE_LINES:]) or "- nothing yet"
 
 
 class OracleEngine(NoServerControl):
@@ -97,15 +123,16 @@ class OracleEngine(NoServerControl):
             return plan[min(k, len(plan) - 1)]
         last_user = context.rsplit("<|im_start|>user", 1)[-1]
         if "New evidence:" not in last_user:  # a Planner turn: the next planned call
-            step = self.planner_steps.get(uid, 0)
+            step, p = self.planner_steps.get(uid, 0), self.paths[uid]
+            # the answer's own page is not read once the notes name the answer
+            if (step < len(plan) - 1 and p.support[-1] in plan[step]
+                    and p.answer in last_user.rpartition("Notes so far:")[2]):
+                step += 1
             self.planner_steps[uid] = step + 1
             return plan[min(step, len(plan) - 1)]
-        p = self.paths[uid]
-        evidence = _LINK.sub(r"\1", last_user.rsplit("New evidence:", 1)[-1])
-        keep = [s.strip() for s in _SENTENCE.findall(evidence)
-                if any(x and x in s for x in (*p.bridges, p.answer))]
-        keep = list(dict.fromkeys(keep))[:MAX_NOTE_SENTENCES]
-        return "Notes: " + (" ".join(keep)[:MAX_NOTE_CHARS] or "nothing new yet.")
+        head, _, evidence = last_user.rpartition("New evidence:")
+        current = head.rpartition("Current notes:")[2]
+        return oracle_notes(current, evidence, self.paths[uid])
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         uid, _, k = req.rid.rpartition("/")
@@ -144,8 +171,10 @@ def path_of(prompt: Prompt) -> OraclePath | None:
     support = meta.get("support") or []
     if not support:
         return None
+    start = meta.get("start")
     return OraclePath(list(support), list(meta.get("facts") or []),
-                      references(prompt.answer)[0])  # the first of a JSON list of answers
+                      references(prompt.answer)[0],  # the first of a JSON list of answers
+                      start=start if isinstance(start, str) and start else None)
 
 
 async def run_teacher(prompts: Sequence[Prompt], agent: Any, engine: Any, *, oracle: bool,

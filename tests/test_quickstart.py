@@ -30,11 +30,45 @@ def test_named_anchor_questions_name_their_start_and_still_need_hops(tmp_path):
     for r in rows:
         info, question = r["extra_info"], r["prompt"][-1]["content"]
         start = world.name(world.by_url(info["support"][0]))
-        assert start in question  # the first entity is named ...
+        assert start in question and info["start"] == start  # the first entity is named ...
         assert info["hops"] >= 2 and len(info["support"]) == info["hops"] + 1
         # ... and neither the answer nor any bridge entity is
         assert not any(a in question for a in r["reward_model"]["ground_truth"])
         assert not any(f in question for f in info["facts"])
+
+
+def test_unique_step_questions_and_grounded_oracle_notes(tmp_path):
+    """--unique-steps keeps hops with one object (no qualifier in the question); the oracle
+    searches the named start, and every URL it visits was in its notes first."""
+    corpus, index = tmp_path / "corpus.parquet", tmp_path / "index"
+    _cli("data", "world", "--pages", "1500", "--seed", "2", "--out", str(corpus),
+         "--index", str(index))
+    _cli("data", "synthesize", "--pages", "1500", "--seed", "2", "--questions", "30",
+         "--max-seeds", "1500", "--min-hops", "2", "--max-hops", "2", "--anchor", "named",
+         "--unique-steps", "--out", str(tmp_path / "qs"))
+    rows = pq.read_table(tmp_path / "qs/train.parquet").to_pylist()
+    assert len(rows) >= 10
+    assert all(r["extra_info"]["hops"] == 2 and "(" not in r["prompt"][-1]["content"]
+               for r in rows)  # no "(born 1950)" qualifiers
+    counts = json.loads((tmp_path / "qs/counts.json").read_text())
+    assert counts["rejected:generate:step_needs_qualifier"] > 0
+    proc = _cli("data", "teacher", "--agent", "itersynth", "--questions",
+                str(tmp_path / "qs/train.parquet"), "--index", str(index),
+                "--out", str(tmp_path / "t.jsonl"))
+    n = len(rows)
+    assert f"{n} trajectories of {n} prompts ({n} correct, {n} grounded" in proc.stdout
+    from megatron_rl.records.trajectory import Trajectory
+
+    for line, row in zip((tmp_path / "t.jsonl").read_text().splitlines(), rows, strict=True):
+        traj = Trajectory.from_dict({k: v for k, v in json.loads(line).items() if k != "step"})
+        calls = [c for t in traj.turns for c in t.tool_calls]
+        assert calls[0].name == "search" and calls[0].arguments["query"] == \
+            row["extra_info"]["start"]
+        notes = traj.metadata["summaries"]
+        for k, call in enumerate(calls[1:]):
+            if call.name == "visit":  # the Planner copies a URL its notes hold
+                assert call.arguments["url"] in notes[k]
+        assert row["reward_model"]["ground_truth"][0] in notes[-1]
 
 
 def test_tokenizer_init_hf_and_eval_of_an_hf_folder(tmp_path):

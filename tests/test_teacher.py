@@ -46,11 +46,15 @@ def test_oracle_trajectories_follow_the_path_through_the_real_tools(world, cls, 
     for t, p in zip(trajs, prompts, strict=True):
         calls = [c for turn in t.turns for c in turn.tool_calls]
         hops = len(p.metadata["support"])
-        # search the question, then visit + search per hop (the last hop: visit only)
-        assert [c.name for c in calls] == ["search"] + ["visit", "search"] * (hops - 1) + \
-            ["visit"]
-        assert [c.arguments["url"] for c in calls if c.name == "visit"] == \
-            p.metadata["support"]
+        # search the question, then visit + search per hop (the last hop: visit only) ...
+        plan = ["search"] + ["visit", "search"] * (hops - 1) + ["visit"]
+        visits = [c.arguments["url"] for c in calls if c.name == "visit"]
+        if kind == "itersynth" and len(calls) == len(plan) - 1:
+            # ... but the IterSynth Planner skips the answer's page once its notes name it
+            assert p.answer in t.metadata["summaries"][-1]
+            plan, visits = plan[:-1], [*visits, p.metadata["support"][-1]]
+        assert [c.name for c in calls] == plan
+        assert visits == p.metadata["support"]
         assert all(c.error is None and c.observation for c in calls)  # real, successful calls
         assert t.answer == p.answer and t.rewards["outcome"] == 1.0
         assert t.status == "ok" and t.sequences()  # trainable as it stands

@@ -143,6 +143,7 @@ class QA:
     support: tuple[str, ...]
     facts: tuple[str, ...]
     start_url: str            # the page of the path's first entity
+    start_name: str | None = None  # a named anchor: the name the question gives it
 
 
 class Synthesizer(ABC):
@@ -227,8 +228,9 @@ class RuleSynthesizer(Synthesizer):
 
     def __init__(self, world: World, min_hops: int = 3, max_hops: int | None = None,
                  max_entities: int = 48, max_anchor_constraints: int = 4,
-                 anchor: str = "abstract"):
+                 anchor: str = "abstract", unique_steps: bool = False):
         self.world = world
+        self.unique_steps = unique_steps  # only hops whose relation has one object
         self.anchor = anchor  # "named": the first entity keeps its name (an easier task)
         self.min_hops = min_hops
         self.max_hops = max_hops if max_hops is not None else min_hops + 1
@@ -328,6 +330,8 @@ class RuleSynthesizer(Synthesizer):
             q = self._qualify(x, rel, y)
             if q is None:
                 return None, "step_not_unique"
+            if q and self.unique_steps:
+                return None, "step_needs_qualifier"
             quals.append(q)
         anchor = (Anchor(path[0], w.kind(path[0]), name=w.name(path[0]))
                   if self.anchor == "named" else self._anchor(path[0], path, rng))
@@ -346,7 +350,7 @@ class RuleSynthesizer(Synthesizer):
     def to_qa(self, c: Candidate) -> QA:
         accepted = [a for a in c.answer_aliases if not (a.isupper() and len(a) <= 4)]
         return QA(c.question, (c.answer, *accepted), c.support[-1], c.hops, c.difficulty,
-                  c.source, c.kind, c.support, c.facts, c.support[0])
+                  c.source, c.kind, c.support, c.facts, c.support[0], c.anchor.name)
 
 
 def _as_anchor(e0: int, kind: str, constraints: Sequence[tuple[str, ...]]) -> Anchor:
@@ -581,7 +585,8 @@ def verl_rows(qas: Sequence[QA], split: str) -> list[dict[str, Any]]:
         "reward_model": {"style": "rule", "ground_truth": list(q.answers)},
         "extra_info": {"index": i, "split": split, "hops": q.hops, "difficulty": q.difficulty,
                        "source": q.source, "kind": q.kind, "answer_entity": q.answer_key,
-                       "support": list(q.support), "facts": list(q.facts)},
+                       "support": list(q.support), "facts": list(q.facts),
+                       **({"start": q.start_name} if q.start_name else {})},
     } for i, q in enumerate(qas)]
 
 
@@ -615,6 +620,9 @@ def add_synthesize_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=500, help="questions to keep")
     p.add_argument("--max-seeds", type=int, default=None, help="default: 4 × --questions")
     p.add_argument("--min-hops", type=int, default=3)
+    p.add_argument("--max-hops", type=int, default=None, help="default: --min-hops + 1")
+    p.add_argument("--unique-steps", action="store_true", help="rule: keep only paths whose "
+                   "every hop has one object (no qualifier to check: an easier task)")
     p.add_argument("--anchor", choices=("abstract", "named"), default="abstract",
                    help="rule: abstract the first entity into a description (Iris), or name "
                    "it (the later hops stay searches either way)")
@@ -653,7 +661,8 @@ async def _run(a: argparse.Namespace) -> int:
     clients: list[ChatClient] = []
     if a.synthesizer == "rule":
         assert world is not None
-        synth: Synthesizer = RuleSynthesizer(world, a.min_hops, anchor=a.anchor)
+        synth: Synthesizer = RuleSynthesizer(world, a.min_hops, a.max_hops, anchor=a.anchor,
+                                             unique_steps=a.unique_steps)
     else:
         if not a.base_url:
             print("--synthesizer llm needs --base-url")
