@@ -32,7 +32,7 @@ class Budget:
     pages: int = 8000
     questions: int = 300
     vocab_size: int = 2048
-    sft_steps: int = 200
+    sft_steps: int = 300
     rl_steps: int = 8
     eval_questions: int = 0        # 0: the whole held-out split
     extra_rl: tuple[str, ...] = ()
@@ -53,11 +53,14 @@ class Stage:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
+def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
+    """The stage list; `react`: ReAct demonstrations join the SFT set too (the ablation's
+    ReAct variant needs them; they are ~3x longer sequences than IterSynth's)."""
     w, q, t = out / "world", out / "questions", out / "teacher"
     index, model, tok = w / "index", out / "model", out / "tokenizer"
     held_out = q / "held_out.parquet"
-    kept = [str(t / "itersynth.kept.jsonl"), str(t / "react.kept.jsonl")]
+    agents = ("itersynth", "react") if react else ("itersynth",)
+    kept = [str(t / f"{agent}.kept.jsonl") for agent in agents]
     ev = ["--agent", "itersynth", "--questions", str(held_out), "--index", str(index),
           "--max-turns", "12", "--max-new-tokens", "160", "--temperature", "0",
           *(["--limit", str(b.eval_questions)] if b.eval_questions else [])]
@@ -75,7 +78,7 @@ def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
         Stage("model", ["convert", "init-hf", "--model", "tiny-moe", "--tokenizer", str(tok),
                         "--out", str(model), "--seed", str(seed)], model),
     ]
-    for agent in ("itersynth", "react"):
+    for agent in agents:
         out_list.append(Stage(f"teacher-{agent}", [
             "data", "teacher", "--agent", agent, "--questions", str(q / "train.parquet"),
             "--index", str(index), "--tokenizer", str(tok), "--vocab-size",
@@ -231,7 +234,7 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False) -> Path:
 
 def quickstart(out: Path, seed: int = 0, smoke: bool = False, ablation: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    todo = stages(out, seed, SMOKE if smoke else FULL)
+    todo = stages(out, seed, SMOKE if smoke else FULL, react=ablation)
     if ablation:
         todo += ablation_stages(out, todo)
     state = run_stages(out, todo)

@@ -116,9 +116,8 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     _cli("quickstart", "--out", str(out), "--smoke", timeout=900)
     state = json.loads((out / "stages.json").read_text())
     assert list(state) == ["world", "questions", "tokenizer", "model", "teacher-itersynth",
-                           "filter-itersynth", "teacher-react", "filter-react",
-                           "teacher-held-out", "sft", "rl", "eval-untrained", "eval-sft",
-                           "eval-rl"]
+                           "filter-itersynth", "teacher-held-out", "sft", "rl",
+                           "eval-untrained", "eval-sft", "eval-rl"]
     for path in ("world/index", "questions/held_out.parquet", "tokenizer/tokenizer.json",
                  "model/config.json", "teacher/itersynth.kept.jsonl", "sft/hf",
                  "rl/hf", "rl/trajectories.jsonl", "eval/rl/summary.json",
