@@ -8,9 +8,10 @@ same trajectory JSONL the RL loop dumps (the input of filters and SFT).
   entity the visited page named and visit its page, then answer. IterSynth: the Planner does
   the same one call per step and the Synthesizer keeps the current notes and adds a line per
   new fact: a support page found among search results (title and URL) or the first sentence
-  of a page that names a bridge entity or the answer. The queries and observations are real (real index, real pages); a trajectory
-  records in `metadata["teacher"]["grounded"]` whether every visited URL had appeared in an
-  earlier observation (a demonstration a policy could follow).
+  of a page that names a bridge entity or the answer. The queries and observations are real
+  (real index, real pages); a trajectory records in `metadata["teacher"]["grounded"]` whether
+  every visited URL had appeared in an earlier observation (a demonstration a policy could
+  follow).
 - Any OpenAI-compatible teacher (`--teacher-url`): the same agent over that chat model.
 """
 

@@ -4,8 +4,10 @@ crafted positive and negative cases."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
+import string
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,9 @@ from megatron_rl.data.filters import (
 )
 from megatron_rl.records.trajectory import ToolCall, Trajectory, Turn
 from megatron_rl.utils.degeneracy import (
+    DEFAULT,
     DegeneracyConfig,
+    _may_compress,
     char_run_finding,
     compression_finding,
     find_degeneracy,
@@ -121,6 +125,56 @@ def test_agent_label_uses_the_same_detector() -> None:
     assert agent_is_degenerate(looping) and find_degeneracy(looping) is not None
     assert not agent_is_degenerate(fluent(3_000))
     assert agent_is_degenerate(fluent(5_000) + loop("I will check again. ", 5_000))
+
+
+def prose(n_chars: int, seed: int = 0) -> str:
+    """Fluent text over an open vocabulary (made-up words): it repeats no 16 bytes."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    size = 0
+    while size < n_chars:
+        words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9)))
+                 for _ in range(rng.randint(5, 14))]
+        sent = " ".join(words).capitalize() + f" ({rng.randint(1, 9999)}). "
+        out.append(sent)
+        size += len(sent)
+    return "".join(out)
+
+
+def test_long_texts_are_screened_without_changing_the_findings() -> None:
+    # from screen_min_bytes on, only windows that may repeat earlier text are compressed,
+    # by a stream primed with the text before them: the findings are those of compressing
+    # every window
+    every_window = DegeneracyConfig(screen_min_bytes=1 << 62)
+    prefix = prose(200_000, seed=1)  # longer than a stream's priming
+    unit = prose(1_000, seed=5)[:1_000]
+    mutated = "".join(chr(97 + i // 50 % 26) if i % 50 == 0 else c  # a new byte every 50
+                      for i, c in enumerate(loop(unit, 20_000)))
+    loops = [prefix + loop(prose(337, seed=3)[:337], 6_000) + prose(3_000, seed=2),
+             prefix + prose(3_000, seed=4) * 4,  # a period longer than the window
+             prefix + "".join(f"Attempt {i}: search the capital page again.\n"
+                              for i in range(400)),  # a counter: no two lines alike
+             prefix + mutated]
+    for text in loops:
+        raw = text.encode()
+        assert len(raw) >= DEFAULT.screen_min_bytes
+        found = compression_finding(raw, every_window)
+        assert found is not None and found.offset >= len(prefix) - 2048
+        assert compression_finding(raw) == found
+        assert find_degeneracy(raw) == found
+    sound = (prose(150_000, seed=6) + "\n").encode()
+    assert compression_finding(sound) is None and compression_finding(sound, every_window) is None
+    # which is what makes it fast: nearly no window of prose is compressed
+    assert _may_compress(sound, 0, len(sound), 2048).mean() < 0.02
+
+
+def test_screen_only_where_calibrated() -> None:
+    raw = (prose(100_000) + loop("Let me look again. ", 5_000)).encode()
+    for cfg in (DegeneracyConfig(max_ratio=0.5), DegeneracyConfig(level=6),
+                DegeneracyConfig(window=512), DegeneracyConfig(screen_min_bytes=len(raw) + 1)):
+        assert compression_finding(raw, cfg) == compression_finding(
+            raw, dataclasses.replace(cfg, screen_min_bytes=1 << 62))
+    assert compression_finding(prose(100_000).encode(), DegeneracyConfig(max_ratio=0.9))
 
 
 # -- trajectories ----------------------------------------------------------------------------
@@ -256,7 +310,8 @@ def test_cli_parser(tmp_path: Path) -> None:
     assert json.loads(rep.read_text())["filters"]["depth"]["reasons"] == {"below_3": 1}
 
 
-@pytest.mark.parametrize("bad", [{"window": 10}, {"max_ratio": 0}, {"max_char_run": 4}])
+@pytest.mark.parametrize("bad", [{"window": 10}, {"max_ratio": 0}, {"max_char_run": 4},
+                                 {"screen_min_bytes": -1}])
 def test_config_is_checked(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         DegeneracyConfig(**bad)
