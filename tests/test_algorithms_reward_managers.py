@@ -284,3 +284,19 @@ def test_world_questions_carry_their_bridge_facts():
         assert q.facts and [world.url(f) for f in q.facts] == list(q.support[1:]), q
         assert q.answer not in q.facts and not any(f in q.question for f in q.facts)
         assert q.to_dict()["facts"] == list(q.facts)
+
+
+def test_rl_batch_keeps_each_turns_advantage_with_the_trajectory():
+    """The trainer's batch step records the advantages it trained on per turn (None: out of
+    the loss, e.g. a max-turns episode with the switch on) for the dump and the viewer."""
+    from megatron_rl.config.schema import RLConfig
+    from megatron_rl.trainer.batching import rl_batch
+
+    group = _c_grpo_group()
+    group[0].add_label("max_turns")
+    batch, _ = rl_batch(group, RLConfig(reward_manager="grpo", exclude_max_turns_from_loss=True),
+                        seq_length=16, rows_multiple=1)
+    assert batch is not None
+    assert group[0].metadata["turn_advantages"] == [None, None]
+    assert all(isinstance(a, float) for t in group[1:] for a in t.metadata["turn_advantages"])
+    assert group[2].metadata["turn_advantages"][0] < 0 < group[1].metadata["turn_advantages"][0]

@@ -85,7 +85,8 @@ def rl_batch(trajectories: Sequence[Trajectory], rl: RLConfig, *, seq_length: in
     seqs, per_token = [], []
     for traj, advantages in zip(trajectories, per_turn, strict=True):
         # kept with the trajectory: the dump (and the trajectory viewer) shows them per turn
-        traj.metadata["turn_advantages"] = [round(float(a), 6) for a in advantages]
+        traj.metadata["turn_advantages"] = [None if a is None else round(float(a), 6)
+                                            for a in advantages]
         own = traj.sequences()
         seqs += own
         per_token += token_advantages(own, advantages)
