@@ -128,6 +128,11 @@ class SFTConfig:
     eval_sequences: int = bounded(0, ge=0, help="held-out sequences evaluated, in file order; "
                                   "0 = all")
     loggers: tuple[str, ...] = bounded((), help="extra metric sinks: tensorboard, wandb")
+    context_loss_weight: float = bounded(0.0, ge=0.0, le=1.0, help="loss weight of the context "
+                                         "tokens (prompts, observations; never a masked "
+                                         "turn's): > 0 also trains the model on the pages it "
+                                         "reads, a cheap signal for a small model to learn to "
+                                         "copy names from its context")
 
 
 @dataclass

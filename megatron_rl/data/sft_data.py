@@ -48,7 +48,7 @@ IGNORED_TRAJECTORY_KEYS = ("step",)  # written by `megatron-rl train`'s trajecto
 @dataclass
 class SFTExample:
     tokens: list[int]
-    loss_mask: list[int]  # 1 on trained tokens, aligned with `tokens`
+    loss_mask: list[float]  # the loss weight of each token (1 trained, 0 not; context weight)
     source: str           # "<file> line N" / "<file> row N": where it came from
 
 
@@ -92,6 +92,12 @@ def row_format(row: Any, where: str) -> str:
 
 def trajectory_sequences(row: Any, where: str) -> list[tuple[list[int], list[int]]]:
     """A trajectory row → its training sequences' (tokens, loss mask)."""
+    return [(tokens, mask) for tokens, mask, _ in _trajectory_parts(row, where)]
+
+
+def _trajectory_parts(row: Any, where: str) -> list[tuple[list[int], list[int], list[bool]]]:
+    """(tokens, loss mask, generated): `generated` marks the policy's own tokens, trained or
+    masked; the rest (prompt, observations) is context."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a trajectory is a JSON object, got {type(row).__name__}")
     if not isinstance(row.get("turns"), list):
@@ -113,7 +119,8 @@ def trajectory_sequences(row: Any, where: str) -> list[tuple[list[int], list[int
         raise DataError(f"{where}: not a trajectory ({e})") from None
     if not traj.turns:
         raise DataError(f"{where}: a trajectory with no turns")
-    return [(s.tokens, [int(bool(m)) for m in s.loss_mask]) for s in traj.sequences()]
+    return [(s.tokens, [int(bool(m)) for m in s.loss_mask], [i >= 0 for i in s.turn_index])
+            for s in traj.sequences()]
 
 
 def _chat(row: Any, where: str) -> tuple[list[dict[str, Any]], list[Any] | None]:
@@ -144,6 +151,14 @@ def _trained(message: dict[str, Any]) -> bool:
 
 def render_messages(tokenizer: Any, row: Any, where: str) -> tuple[list[int], list[int]]:
     """A chat row → (token ids of the rendered chat, loss mask on assistant tokens)."""
+    full, mask, _ = _render_parts(tokenizer, row, where)
+    return full, mask
+
+
+def _render_parts(tokenizer: Any, row: Any, where: str
+                  ) -> tuple[list[int], list[int], list[bool]]:
+    """(tokens, loss mask, generated): `generated` marks every assistant message's tokens,
+    trained or masked; the rest is context."""
     messages, tools = _chat(row, where)
     if not any(_trained(m) for m in messages):
         raise DataError(f"{where}.messages: no assistant message to train on")
@@ -159,9 +174,10 @@ def render_messages(tokenizer: Any, row: Any, where: str) -> tuple[list[int], li
 
     full = ids(messages, False)
     mask = [0] * len(full)
+    generated = [False] * len(full)
     eos = getattr(tokenizer, "eos_token_id", None)
     for i, m in enumerate(messages):
-        if not _trained(m):
+        if m["role"] != "assistant":
             continue
         start, end = ids(messages[:i], True), ids(messages[:i + 1], False)
         for prefix, what in ((start, "the chat up to it + the generation prompt"),
@@ -175,14 +191,18 @@ def render_messages(tokenizer: Any, row: Any, where: str) -> tuple[list[int], li
             last = len(end) - 1 - full[len(start):len(end)][::-1].index(eos)
             span = range(len(start), last + 1)
         for t in span:
-            mask[t] = 1
-    return full, mask
+            mask[t] = int(_trained(m))
+            generated[t] = True
+    return full, mask, generated
 
 
 # -- files → examples ----------------------------------------------------------------------
 def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: int,
-                  vocab_size: int, fmt: str = "auto", overlong: str = "truncate") -> SFTData:
-    """Every sequence of `files`, in file and row order, cut or dropped to fit `seq_length`."""
+                  vocab_size: int, fmt: str = "auto", overlong: str = "truncate",
+                  context_weight: float = 0.0) -> SFTData:
+    """Every sequence of `files`, in file and row order, cut or dropped to fit `seq_length`.
+    `context_weight` > 0 also trains the context tokens (prompts, observations; never a
+    masked turn's) with that loss weight."""
     if fmt not in FORMATS:
         raise DataError(f"sft.format={fmt!r}: one of {', '.join(FORMATS)}")
     if overlong not in ("truncate", "drop"):
@@ -190,15 +210,17 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
     width = seq_length + 1
     stats = dict.fromkeys(("rows", "sequences", "truncated", "dropped_overlong",
                            "dropped_untrained", "trained_tokens"), 0)
+    if context_weight:
+        stats["context_tokens"] = 0
     examples: list[SFTExample] = []
     for f in files:
         path, kind = Path(f), None if fmt == "auto" else fmt
         for where, row in iter_rows(path):
             kind = kind or row_format(row, where)
             stats["rows"] += 1
-            seqs = trajectory_sequences(row, where) if kind == "trajectories" else \
-                [render_messages(tokenizer, row, where)]
-            for tokens, mask in seqs:
+            seqs = _trajectory_parts(row, where) if kind == "trajectories" else \
+                [_render_parts(tokenizer, row, where)]
+            for tokens, mask, generated in seqs:
                 bad = next((t for t in tokens if t >= vocab_size), None)
                 if bad is not None:
                     raise DataError(f"{where}: token id {bad} is outside the model's "
@@ -208,13 +230,17 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
                         stats["dropped_overlong"] += 1
                         continue
                     stats["truncated"] += 1
-                    tokens, mask = tokens[:width], mask[:width]
+                    tokens, mask, generated = tokens[:width], mask[:width], generated[:width]
                 trained = sum(mask[1:])  # the first token is never a target
                 if not trained:
                     stats["dropped_untrained"] += 1
                     continue
                 stats["sequences"] += 1
                 stats["trained_tokens"] += trained
+                if context_weight:
+                    mask = [float(m) if m or g else context_weight
+                            for m, g in zip(mask, generated, strict=True)]
+                    stats["context_tokens"] += sum(w == context_weight for w in mask[1:])
                 examples.append(SFTExample(tokens, mask, where))
     if not examples:
         raise DataError(f"no sequence to train on in {', '.join(map(str, files)) or '(none)'} "
