@@ -139,6 +139,20 @@ def test_chat_row_loss_mask_matches_the_rendered_trajectory(tmp_path):
     assert chat.tokens == ref.tokens + CHAT.encode("\n")
     assert chat.loss_mask == [*ref.loss_mask, 0]
     assert chat.source == f"{tmp_path / 'c.parquet'} row 0"
+    # sft.context_loss_weight: the context joins the loss at that weight, in both formats
+    # alike; the masked turn's tokens stay at 0
+    (wchat,) = load_sft_data([tmp_path / "c.parquet"], TOK, seq_length=512, vocab_size=512,
+                             context_weight=0.25).examples
+    (wref,) = load_sft_data([traj_path], TOK, seq_length=512, vocab_size=512,
+                            context_weight=0.25).examples
+    masked_turn = traj["turns"][1]["output_ids"]
+    start = len(traj["turns"][1]["context_ids"])
+    assert wref.loss_mask[start:start + len(masked_turn)] == [0.0] * len(masked_turn)
+    assert [w for w in wref.loss_mask if w not in (0.0, 1.0)] == [0.25] * (
+        len(wref.tokens) - sum(ref.loss_mask) - len(masked_turn))
+    assert [m if m == 1 else 0 for m in wref.loss_mask] == ref.loss_mask
+    body = len(ref.tokens)  # the chat's extra final newline is context too
+    assert wchat.loss_mask[:body] == wref.loss_mask and wchat.loss_mask[body:] == [0.25]
     # system, user and tool messages alone: nothing to train is an error naming the row
     with pytest.raises(DataError, match=r"c2.jsonl line 1.messages: no assistant message"):
         load_sft_data([write_jsonl(tmp_path / "c2.jsonl", [{"messages": messages[:2]}])], TOK,
