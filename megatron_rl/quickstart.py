@@ -32,7 +32,7 @@ class Budget:
     pages: int = 8000
     questions: int = 300
     vocab_size: int = 2048
-    sft_steps: int = 300
+    sft_steps: int = 200
     rl_steps: int = 8
     eval_questions: int = 0        # 0: the whole held-out split
     extra_rl: tuple[str, ...] = ()
@@ -96,7 +96,7 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
                       "model.seq_length=1536", f"sft.train_files=[{','.join(kept)}]",
                       f"sft.val_files=[{t / 'held_out.jsonl'}]", "sft.eval_every=20",
                       "sft.eval_sequences=64", f"train.steps={b.sft_steps}",
-                      "train.global_batch_size=16",
+                      "train.global_batch_size=16", "sft.context_loss_weight=0.2",
                       "train.max_tokens_per_microbatch=4096", f"train.seed={seed}",
                       f"train.output_dir={out / 'sft'}",
                       f"checkpoint.dir={out / 'sft/checkpoints'}", "checkpoint.save_every=0",
