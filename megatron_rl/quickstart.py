@@ -18,7 +18,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,6 @@ class Stage:
     name: str
     argv: list[str]                       # a `megatron-rl` command line
     artifact: Path                        # it exists once the stage is done
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
