@@ -88,10 +88,20 @@ def test_tokenizer_init_hf_and_eval_of_an_hf_folder(tmp_path):
     text = "Notable people born in Pehaven include Lenri Yorumjal."
     assert tok.decode(tok.encode(text)) == text
     # the world's words are single tokens more often than with the generic tiny tokenizer
-    from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
+    from megatron_rl.agents.scaffolding import agent_scaffolding
+    from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer, train_chat_tokenizer
 
+    generic = tiny_qwen3_tokenizer(600)
     page = pq.read_table(corpus).to_pylist()[0]["text"]
-    assert len(tok.encode(page)) < 0.7 * len(tiny_qwen3_tokenizer(600).encode(page))
+    assert len(tok.encode(page)) < 0.8 * len(generic.encode(page))
+    # the agents' system prompts, trained in (--scaffolding-weight 10, the default), take
+    # about half the tokens at 2048 ids
+    rows = pq.read_table(corpus).to_pylist()
+    texts = [r["text"] for r in rows]
+    planner = agent_scaffolding()[0]
+    plain, with_prompts = (train_chat_tokenizer(texts + agent_scaffolding() * w, 2048)
+                           for w in (0, 10))
+    assert len(with_prompts.encode(planner)) < 0.6 * len(plain.encode(planner))
     # the folder cannot be overwritten
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "convert", "init-hf",
                            "--model", "tiny-moe", "--tokenizer", str(tmp_path / "tok"),
