@@ -187,8 +187,7 @@ def _eval_row(out: Path, name: str) -> str:
     s = json.loads((folder / "summary.json").read_text())
     peaks = [max((len(t.get("context_ids") or []) + len(t.get("output_ids") or [])
                   for t in row["turns"]), default=0)
-             for row in map(json.loads, (folder / "trajectories.jsonl").read_text().split("\n")
-                            [:-1])]
+             for row in map(json.loads, (folder / "trajectories.jsonl").read_text().splitlines())]
     return (f"| {name} | {s['pass@1']:.3f} | {s['questions']} | "
             f"{s.get('tools/calls_mean', float('nan')):.2f} | "
             f"{sum(peaks) / max(len(peaks), 1):.0f} |")
