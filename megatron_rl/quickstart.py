@@ -29,8 +29,9 @@ from megatron_rl.report import write_report
 class Budget:
     """What a quickstart run spends; `SMOKE` is the test's."""
 
-    pages: int = 8000
-    questions: int = 300
+    pages: int = 30000       # ~470 unique-step questions: more names to learn copying on
+    questions: int = 1000
+    held_out_fraction: float = 0.1
     vocab_size: int = 2048
     sft_steps: int = 200
     rl_steps: int = 8
@@ -39,10 +40,10 @@ class Budget:
 
 
 FULL = Budget()
-SMOKE = Budget(pages=1500, questions=40, vocab_size=512, sft_steps=2, rl_steps=1,
-               eval_questions=4, extra_rl=("rl.sampling.groups_per_step=1",
-                                           "rl.sampling.samples_per_prompt=2", "rl.max_turns=4",
-                                           "rl.max_new_tokens=32"))
+SMOKE = Budget(pages=1500, questions=40, held_out_fraction=0.2, vocab_size=512, sft_steps=2,
+               rl_steps=1, eval_questions=4,
+               extra_rl=("rl.sampling.groups_per_step=1", "rl.sampling.samples_per_prompt=2",
+                         "rl.max_turns=4", "rl.max_new_tokens=32"))
 
 
 @dataclass
@@ -70,7 +71,7 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
         Stage("questions", ["data", "synthesize", "--pages", str(b.pages), "--seed", str(seed),
                             "--questions", str(b.questions), "--max-seeds", str(b.pages),
                             "--min-hops", "2", "--max-hops", "2", "--anchor", "named",
-                            "--unique-steps", "--held-out-fraction", "0.2",
+                            "--unique-steps", "--held-out-fraction", str(b.held_out_fraction),
                             "--out", str(q)], held_out),
         Stage("tokenizer", ["data", "tokenizer", "--corpus", str(w / "corpus.parquet"),
                             "--out", str(tok), "--vocab-size", str(b.vocab_size)], tok),

@@ -247,10 +247,19 @@ def test_synthesizer_that_drops_or_misses_a_fact_scores_lower(world, tools, scor
     drops = synth(f"Notes: the founder was born in {p.answer}.")
     misses = synth(f"Notes: {company} was founded by {founder}.")
     wholesale = synth(f"Notes: {founder} born in {p.answer}. " + page.observation * 6)
-    assert keeps.dimensions == {"retention": 5.0, "extraction": 5.0, "concision": 5.0}
+    assert keeps.dimensions == {"retention": 5.0, "extraction": 5.0, "concision": 5.0,
+                                "grounding": None}  # states no URL
     assert keeps.score == 1.0
-    assert drops.dimensions["retention"] == 1.0 and drops.score == pytest.approx(0.6)
-    assert misses.dimensions["extraction"] == 1.0 and misses.score == pytest.approx(0.6)
+    # weights 0.3 / 0.3 / 0.2 renormalised without grounding: (0.3 + 0.2) / 0.8
+    assert drops.dimensions["retention"] == 1.0 and drops.score == pytest.approx(0.625)
+    assert misses.dimensions["extraction"] == 1.0 and misses.score == pytest.approx(0.625)
+    # grounding: a URL the page gave is fine, an invented one is not
+    url = p.metadata["support"][1]
+    cited = synth(f"Notes: {company} was founded by {founder}, born in {p.answer} ({url}).")
+    invented = synth(f"Notes: {company} was founded by {founder}, born in {p.answer} "
+                     "(https://en.worldwiki.test/wiki/Made_Up_Page).")
+    assert cited.dimensions["grounding"] == 5.0 and cited.score == 1.0
+    assert invented.dimensions["grounding"] == 1.0 and invented.score == pytest.approx(0.8)
     assert wholesale.dimensions["concision"] == 1.0
     assert keeps.score > drops.score and keeps.score > misses.score > 0
     # names match without case and spacing, on word boundaries
@@ -267,18 +276,21 @@ def test_na_dimensions_are_dropped_and_all_na_writes_nothing(world, tools, score
                       "Error: no such page")
     traj = _traj(p, [(_search("x"), [failed], "Notes: nothing found yet.")])
     res = scorer.rate(traj)[1]
-    assert res.dimensions == {"retention": None, "extraction": None, "concision": 5.0}
+    assert res.dimensions == {"retention": None, "extraction": None, "concision": 5.0,
+                              "grounding": None}
     assert res.score == 1.0  # the weights renormalised over concision alone
     # and an empty summary then: every dimension N/A, no score, no reward written
     traj = _traj(p, [(_search("x"), [failed], "")])
     results = asyncio.run(scorer.score_trajectory(traj))
-    assert results[1].dimensions == {"retention": None, "extraction": None, "concision": None}
+    assert results[1].dimensions == {"retention": None, "extraction": None, "concision": None,
+                                     "grounding": None}
     assert results[1].score is None and "rubric" not in traj.turns[1].rewards
     assert "rubric" in traj.turns[0].rewards  # the Planner turn still is scored
     # an empty summary although the evidence revealed a fact: concision 1
     page = _call(tools, "visit", {"url": p.metadata["support"][0]})
     res = scorer.rate(_traj(p, [("v", [page], "")]))[1]
-    assert res.dimensions == {"retention": None, "extraction": 1.0, "concision": 1.0}
+    assert res.dimensions == {"retention": None, "extraction": 1.0, "concision": 1.0,
+                              "grounding": None}
 
 
 def test_no_path_other_roles_and_continued_messages(world, tools) -> None:

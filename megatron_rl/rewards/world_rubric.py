@@ -23,6 +23,7 @@ LLM judge (`rewards/rubric.py`), and the same output, `turn.rewards["rubric"]` i
 | Synthesizer | retention | the facts the previous summary held are still there |
 | Synthesizer | extraction | the facts the evidence revealed are in the new summary |
 | Synthesizer | concision | non-empty when something is known, within `max_summary_chars` |
+| Synthesizer | grounding | every URL the new summary states was in the evidence or old summary |
 
 A trajectory without a known path is left unscored (counted in `metrics()`). Model text is
 plain data here: only string matching, never evaluated, and any text (empty, huge, odd
@@ -54,7 +55,8 @@ log = logging.getLogger("megatron_rl.rewards")
 WORLD_RUBRIC_DIR = RUBRIC_DIR / "world"
 # the dimensions each role's rules can score; a rubric file may use any subset of them
 RULES = {"planner": ("next_hop", "non_redundancy", "answer_timing"),
-         "synthesizer": ("retention", "extraction", "concision")}
+         "synthesizer": ("retention", "extraction", "concision", "grounding")}
+_URL = re.compile(r"https?://[^\s<>()\[\]\"']+")
 MAX_TEXT_CHARS = 200_000   # a longer text is matched on its first part only (bounds the work)
 MAX_QUERIES = 16           # a call's list of queries: the first ones count
 _SPECIAL = re.compile(r"<\|[A-Za-z0-9_]{1,40}\|>")  # <|im_end|>, <|endoftext|>, ...
@@ -334,8 +336,12 @@ class WorldRubricScorer:
         else:
             scores["concision"] = 5.0 if size <= self.max_summary_chars else \
                 3.0 if size <= 2 * self.max_summary_chars else 1.0
+        # an invented URL is a fact the notes make up (what a weak policy writes most)
+        urls = {u.rstrip(".,;:") for u in _URL.findall(new)}
+        grounded = sum(u in evidence or u in previous for u in urls)
+        scores["grounding"] = _band(grounded, len(urls)) if urls else None
         detail = (f"kept {kept}/{len(established)}, extracted {found}/{len(revealed)}, "
-                  f"{size} chars")
+                  f"{grounded}/{len(urls)} URLs grounded, {size} chars")
         return scores, detail
 
     # the judge protocol
