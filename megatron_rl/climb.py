@@ -74,7 +74,9 @@ def climb(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "climb.jsonl"
     done = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
-    for r in range(len(done), c.rounds + 1):
+    # a climb that ran dry stays ended: its last round has no RL run to select from
+    first = c.rounds + 1 if done and "stopped" in done[-1] else len(done)
+    for r in range(first, c.rounds + 1):
         t0, here = time.perf_counter(), out / f"round_{r}"
         shutil.rmtree(here, ignore_errors=True)  # an unfinished attempt starts over
         record: dict[str, Any] = {"round": r}

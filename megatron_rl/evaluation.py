@@ -95,10 +95,6 @@ def _tokenizer(cfg: EvalConfig) -> Any:
 
         return AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model_dir,
                                              local_files_only=True)
-    if cfg.tokenizer:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(cfg.tokenizer)
     from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 
     return tiny_qwen3_tokenizer(vocab_size=2048)  # byte-level: any text round-trips

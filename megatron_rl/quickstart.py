@@ -139,7 +139,7 @@ def ablation_stages(out: Path, main: list[Stage]) -> list[Stage]:
         extra.append(Stage(f"rl-{name}", [*argv, *overrides, f"train.output_dir={run}",
                                           f"checkpoint.dir={run / 'checkpoints'}"], run / "hf"))
         agent = "react" if "rl.agent=react" in overrides else "itersynth"
-        eargv = [a for a in ev.argv]
+        eargv = list(ev.argv)
         eargv[eargv.index("--model-dir") + 1] = f"{{ablation/{name}/hf}}"
         eargv[eargv.index("--agent") + 1] = agent
         eargv[eargv.index("--out") + 1] = str(out / f"eval/{name}")

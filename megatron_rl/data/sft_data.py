@@ -238,9 +238,9 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
                 stats["sequences"] += 1
                 stats["trained_tokens"] += trained
                 if context_weight:
-                    mask = [float(m) if m or g else context_weight
-                            for m, g in zip(mask, generated, strict=True)]
-                    stats["context_tokens"] += sum(w == context_weight for w in mask[1:])
+                    context = [not m and not g for m, g in zip(mask, generated, strict=True)]
+                    stats["context_tokens"] += sum(context[1:])
+                    mask = [context_weight if c else float(m) for m, c in zip(mask, context)]
                 examples.append(SFTExample(tokens, mask, where))
     if not examples:
         raise DataError(f"no sequence to train on in {', '.join(map(str, files)) or '(none)'} "
