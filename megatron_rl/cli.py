@@ -401,6 +401,9 @@ def _add_data_commands(sub: Any) -> None:
     tk.add_argument("--vocab-size", dest="vocab_size", type=int, default=2048)
     tk.add_argument("--scaffolding-weight", dest="scaffolding_weight", type=int, default=10,
                     help="copies of the agents' system prompts and tool specs in the corpus")
+    tk.add_argument("--isolate-spaces", dest="isolate_spaces", action="store_true",
+                    help="every space its own token: a name has the same ids after a space "
+                    "and after a quote (what copying it into a tool call needs)")
     tk.set_defaults(func=_data_tokenizer)
     for action in dsub.choices.values():  # bad input is an error that names it, not a trace
         action.set_defaults(func=_user_errors(action.get_default("func")))
@@ -421,7 +424,7 @@ def _data_tokenizer(args: argparse.Namespace) -> int:
         # weighted like a corpus of that many episodes: merges for the system prompts too
         yield from agent_scaffolding() * args.scaffolding_weight
 
-    tokenizer = train_chat_tokenizer(texts(), args.vocab_size)
+    tokenizer = train_chat_tokenizer(texts(), args.vocab_size, args.isolate_spaces)
     out = Path(args.out)
     tmp = out.with_name(f".tmp-{out.name}")
     tokenizer.save_pretrained(tmp)
