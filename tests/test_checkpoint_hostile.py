@@ -172,6 +172,9 @@ def test_rng_state_and_step_count_still_round_trip(tmp_path):
      b'"contents": ["model"]}', "lists no files"),
     (b'{"format_version": 1, "files": {"metadata.json": {"bytes": 1, "crc32": "00000000"}}}',
      "manifest lacks step, model, layout, contents"),
+    (b"[" * 100_000 + b"]" * 100_000, r"unreadable manifest \(JSON nested too deeply\)"),
+    (b'{"format_version": 1, "step": 1' + b"0" * 5000 + b"}",
+     r"unreadable manifest \(Exceeds the limit \(4300 digits\)"),
 ])
 def test_malformed_manifest_is_refused(ckpt, tmp_path, text, expected):
     folder = _copy(ckpt, tmp_path)
@@ -313,14 +316,68 @@ def test_lying_safetensors_header_names_file_and_tensor(hf, tmp_path, lie, expec
     assert msg == _import_error(folder, tmp_path)
 
 
+DEEP_JSON = b'{"a": ' * 100_000 + b"1" + b"}" * 100_000
+HUGE_INT_JSON = b'{"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1' + b"0" * 5000 + b"}"
+
+
 @pytest.mark.parametrize("text,expected", [
     (b"[1, 2]", "not a JSON object"), (b'{"architectures": ', "not JSON"),
-    (b"\xff\xfe{}", "not UTF-8")])
+    (b"\xff\xfe{}", "not UTF-8"), (DEEP_JSON, "JSON nested too deeply"),
+    (HUGE_INT_JSON, "not usable JSON (Exceeds the limit (4300 digits)")])
 def test_bad_config_json_is_named(hf, tmp_path, text, expected):
     folder = _copy(hf, tmp_path)
     (folder / "config.json").write_bytes(text)
     msg = _open_error(folder)
     assert str(folder / "config.json") in msg and expected in msg, msg
+
+
+@pytest.mark.parametrize("text", [DEEP_JSON, HUGE_INT_JSON, b"\xff{}"])
+def test_bad_config_json_is_named_by_the_model_registry(hf, tmp_path, text):
+    from megatron_rl.config.fields import ConfigError
+    from megatron_rl.models.registry import spec_from_hf
+
+    folder = _copy(hf, tmp_path)
+    (folder / "config.json").write_bytes(text)
+    with pytest.raises(ConfigError, match=re.escape(f"{folder / 'config.json'}: not a JSON file")):
+        spec_from_hf(folder)
+
+
+def _hostile_header(path: Path, text: bytes) -> None:
+    """Replace the safetensors header of `path` by `text` (padded), keeping the data."""
+    _, data = _header(path)
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+@pytest.mark.parametrize("where", ["index", "header"])
+@pytest.mark.parametrize("text,expected", [
+    (DEEP_JSON, "JSON nested too deeply"),
+    (b'{"weight_map": {}, "n": 1' + b"0" * 5000 + b"}", "Exceeds the limit (4300 digits)")])
+def test_deep_or_huge_int_json_in_the_index_or_a_header_names_the_file(
+        hf_sharded, tmp_path, where, text, expected):
+    folder = _copy(hf_sharded, tmp_path)
+    if where == "index":
+        path = folder / "model.safetensors.index.json"
+        path.write_bytes(text)
+    else:
+        path = folder / _a_shard(folder)
+        _hostile_header(path, text)
+    msg = _open_error(folder)
+    assert msg.startswith(str(path)) and expected in msg, msg
+    if where == "header":
+        assert "unreadable safetensors header" in msg, msg
+
+
+def test_the_import_cli_shows_one_line_for_deep_json(hf, tmp_path, capsys):
+    from megatron_rl.cli import main
+
+    folder = _copy(hf, tmp_path)
+    (folder / "config.json").write_bytes(DEEP_JSON)
+    assert main(["convert", "hf-to-megatron", "--hf", str(folder), "--out",
+                 str(tmp_path / "out"), "--model", "tiny-moe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"megatron-rl: {folder / 'config.json'}: JSON nested too deeply", err
+    assert not (tmp_path / "out").exists()
 
 
 def _config(folder: Path, **changes) -> None:

@@ -112,6 +112,25 @@ def test_non_utf8_recipe_and_duplicate_keys_name_the_file(tmp_path):
     assert load_config(str(ok)).optim.lr == 1e-3
 
 
+@pytest.mark.parametrize("yaml_text,expected", [
+    ("{[1]: 2}", "found unhashable key"), ("{? {a: 1} : 2}", "found unhashable key"),
+    ("[" * 20_000, "nested too deeply"), ("{a: " * 5_000 + "1" + "}" * 5_000, "nested too deeply"),
+])
+def test_unhashable_keys_and_deep_nesting_name_the_override_and_the_file(tmp_path, yaml_text,
+                                                                        expected):
+    with pytest.raises(ConfigError, match=rf"override 'rl.judge=.*not valid YAML: {expected}"):
+        load_config(None, [f"rl.judge={yaml_text}"])
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(f"rl:\n  judge: {yaml_text}\n")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(recipe))}: not valid YAML: {expected}"):
+        load_config(str(recipe))
+    block = tmp_path / "block.yaml"  # the block form `? [a]` of an unhashable key
+    block.write_text("rl:\n  judge:\n    ? [a]\n    : 1\n")
+    with pytest.raises(ConfigError,
+                       match=rf"{re.escape(str(block))}: not valid YAML: found unhashable"):
+        load_config(str(block))
+
+
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in (CONFIG_ROOT / "recipes").glob("*.yaml")))
 def test_every_recipe_loads(recipe):
     import megatron_rl.tasks  # noqa: F401  (registry fields checked against every registry)

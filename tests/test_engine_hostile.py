@@ -16,6 +16,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,22 +61,23 @@ TOKEN = "test-token-0123456789-abcdefghij"  # a test value, not a secret
 LONG = 40
 
 
-def routable_ipv4() -> str | None:
-    """A non-loopback IPv4 of this machine that can be bound (None if there is none)."""
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family != socket.AF_INET or ipaddress.ip_address(a.address).is_loopback:
+def routable_ipv4() -> tuple[str | None, str | None]:
+    """(interface, its first IPv4) for a non-loopback interface whose first IPv4 can be bound
+    (what `rollout.nic` would pick); (None, None) if there is none."""
+    for nic, addrs in psutil.net_if_addrs().items():
+        v4 = [a.address for a in addrs if a.family == socket.AF_INET]
+        if not v4 or ipaddress.ip_address(v4[0]).is_loopback:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((v4[0], 0))
+            except OSError:
                 continue
-            with socket.socket() as s:
-                try:
-                    s.bind((a.address, 0))
-                except OSError:
-                    continue
-            return a.address
-    return None
+        return nic, v4[0]
+    return None, None
 
 
-NODE_IP = routable_ipv4()
+NODE_NIC, NODE_IP = routable_ipv4()
 needs_ip = pytest.mark.skipif(NODE_IP is None, reason="no bindable non-loopback IPv4")
 
 
@@ -289,7 +291,7 @@ def test_init_group_to_a_closed_port_fails_within_the_timeout(model) -> None:
             "world_size": 2, "backend": "gloo"}))
         elapsed = time.monotonic() - t0
         assert status in (502, 504) and message(reply).startswith("init_weights_update_group:")
-        assert elapsed < 4.0, elapsed
+        assert elapsed < 2.0 + 10.0, elapsed  # the 2 s timeout, slack for a loaded CI machine
         assert run(post(srv.url, "/generate", {"input_ids": [1], "sampling_params": {
             "max_new_tokens": 1}}))[0] == 200
 
@@ -318,11 +320,45 @@ def test_a_broadcast_that_never_comes_times_out_and_drops_the_group(model) -> No
         assert status == 400 and "expected shape" in message(reply)
         t0 = time.monotonic()
         status, reply = run(post(srv.url, "/update_weights_from_distributed", announce))
+        elapsed = time.monotonic() - t0
         assert status == 504 and "no answer after 2s" in message(reply)
-        assert time.monotonic() - t0 < 4.0
+        # it waited its 2 s timeout, with slack for a loaded 2-core CI machine
+        assert 2.0 <= elapsed < 2.0 + 10.0, elapsed
         status, reply = run(post(srv.url, "/update_weights_from_distributed", announce))
         assert status == 400 and "no weight-update group" in message(reply)
     holder.clear()  # rank 0 leaves the group
+
+
+def test_a_hung_disk_read_or_a_stuck_scheduler_times_out(model, monkeypatch, tmp_path) -> None:
+    """`/update_weights_from_disk` on a filesystem that hangs, and a control call while the
+    scheduler is stuck: 504 after the control timeout; the call that never started is
+    dropped, not run late; the engine then serves as before."""
+    from megatron_rl.engines import embedded
+
+    release = threading.Event()
+    real = embedded._read_safetensors_dir
+    monkeypatch.setattr(embedded, "_read_safetensors_dir",
+                        lambda path: release.wait(60) and real(path))
+    timeout = 1.0
+    with EmbeddedServer(model, control_timeout_s=timeout).start() as srv:
+        t0 = time.monotonic()
+        status, reply = run(post(srv.url, "/update_weights_from_disk",
+                                 {"model_path": str(tmp_path)}))
+        disk_s = time.monotonic() - t0
+        assert status == 504 and message(reply).startswith("model_path: no answer after 1s")
+        stuck = srv.core.call(lambda: release.wait(60))  # e.g. one very long step
+        t0 = time.monotonic()
+        status, reply = run(post(srv.url, "/pause_generation", {"mode": "in_place"}))
+        pause_s = time.monotonic() - t0
+        assert status == 504 and message(reply).startswith("pause_generation: no answer after")
+        release.set()
+        stuck.result(timeout=30)
+        status, _ = run(post(srv.url, "/generate", {"input_ids": [1], "sampling_params": {
+            "max_new_tokens": 1}}))
+        assert status == 200 and not srv.core.paused  # the timed-out pause never ran
+    # at least the timeout (it did wait), and far below the 60 s the hang would last
+    for elapsed in (disk_s, pause_s):
+        assert timeout <= elapsed < timeout + 20, elapsed
 
 
 def start_cli(args: list[str], log: Path, env: dict[str, str] | None = None
@@ -364,7 +400,12 @@ def test_sigterm_stops_a_server_blocked_in_a_control_call(tmp_path) -> None:
             pytest.fail("the server ignored SIGTERM for 15 s while a control call blocked")
         elapsed = time.monotonic() - t0
         print(f"\nexited {elapsed:.1f}s after SIGTERM")
-        assert elapsed < 5.0
+        # the server's own stop is bounded by its stop timeout (5 s, serve_forever); the
+        # interpreter's exit after it is not the server's to bound and can take seconds on a
+        # loaded 2-core machine, so only the 15 s above (the old server ignored SIGTERM for 45)
+        stopped = re.findall(r"stopped ([\d.]+)s after the signal",
+                             (tmp_path / "server.log").read_text())
+        assert stopped and float(stopped[0]) < 5.0 + 1.0, stopped
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -442,17 +483,47 @@ def test_off_loopback_control_routes_need_the_token(model, monkeypatch) -> None:
     assert health == 200 and gen == 200
 
 
+def nic_spec(tmp_path: Path, nic: str) -> EngineSpec:
+    """The policy engines' spec from a recipe whose `rollout.nic` is `nic`."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.engines.ray_engine import engine_spec
+
+    recipe = tmp_path / f"nic-{nic}.yaml"
+    recipe.write_text(f"rollout:\n  nic: {nic}\n  startup_timeout_s: 120\n")
+    return engine_spec(load_config(str(recipe)).rollout, random_init="tiny-moe")
+
+
+def test_the_recipe_nic_is_the_address_the_engine_binds(tmp_path) -> None:
+    from megatron_rl.config.fields import ConfigError
+    from megatron_rl.engines.ray_engine import EngineActor, bind_host
+
+    spec = nic_spec(tmp_path, "lo")
+    assert spec.nic == "lo" and bind_host(spec) == "127.0.0.1"
+    for name, addrs in psutil.net_if_addrs().items():  # eth0 and the rest, where present
+        v4 = [a.address for a in addrs if a.family == socket.AF_INET]
+        if v4:
+            assert bind_host(EngineSpec(random_init="tiny-moe", nic=name)) == v4[0], name
+    with pytest.raises(ConfigError, match="rollout.nic='no-such-nic0': no such network"):
+        bind_host(EngineSpec(random_init="tiny-moe", nic="no-such-nic0"))
+    if NODE_NIC is not None:  # off loopback: refused before any server starts, naming the IP
+        with pytest.raises(EngineError, match=f"binds {NODE_IP}, not loopback.*{TOKEN_ENV}"):
+            EngineActor(nic_spec(tmp_path, NODE_NIC), "e0", str(tmp_path))
+
+
 @needs_ip
 def test_the_engine_actor_passes_the_token_by_environment_and_never_logs_it(
         monkeypatch, tmp_path) -> None:
+    """The actor binds the recipe's interface (no `host=`: `bind_host` of `rollout.nic`)."""
     from megatron_rl.engines.ray_engine import EngineActor
 
-    spec = EngineSpec(random_init="tiny-moe", startup_timeout_s=120)
+    assert NODE_NIC is not None
+    spec = nic_spec(tmp_path, NODE_NIC)
     with pytest.raises(EngineError, match=f"binds {NODE_IP}, not loopback.*{TOKEN_ENV}"):
-        EngineActor(spec, "e0", str(tmp_path), host=NODE_IP)
+        EngineActor(spec, "e0", str(tmp_path))
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    actor = EngineActor(spec, "e1", str(tmp_path), host=NODE_IP)
+    actor = EngineActor(spec, "e1", str(tmp_path))
     try:
+        assert actor.host == NODE_IP and actor.server.url.startswith(f"http://{NODE_IP}:")
         pid = actor.pid()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         environ = Path(f"/proc/{pid}/environ").read_bytes()

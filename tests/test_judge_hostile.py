@@ -469,9 +469,31 @@ replies = st.one_of(
 _STRIP = re.compile(r"[*_`\s.]+\Z")
 
 
-@FUZZ
-@given(reply=replies, data=st.text(max_size=60))
-def test_fuzz_parse_verdict(reply: str, data: str) -> None:
+VERDICT_KINDS = {"no_verdict_line", "cut_while_thinking"}
+SCORE_KINDS = {"no_final_json", "cut_while_thinking", "no_scores", "no_usable_score"}
+
+
+def _labelled(got: Any, kinds: set[str], seen: set[str]) -> None:
+    """A failure is one of the parser's known kinds, with a reason."""
+    if isinstance(got, ReplyFailure):
+        assert got.kind in kinds and got.detail, got
+        seen.add(got.kind)
+
+
+def test_fuzz_parse_verdict() -> None:
+    count, seen = {"n": 0}, set()
+
+    @FUZZ
+    @given(reply=replies, data=st.text(max_size=60))
+    def case(reply: str, data: str) -> None:
+        count["n"] += 1
+        _labelled(_check_verdict(reply, data), VERDICT_KINDS, seen)
+
+    case()
+    assert count["n"] >= 10_000 and seen == VERDICT_KINDS, (count, seen)
+
+
+def _check_verdict(reply: str, data: str) -> bool | ReplyFailure:
     got = parse_verdict(reply)
     assert isinstance(got, bool | ReplyFailure)
     if isinstance(got, bool):  # only when the last line (after thinking) is the field
@@ -489,6 +511,7 @@ def test_fuzz_parse_verdict(reply: str, data: str) -> None:
     if quoted.strip():
         assert isinstance(parse_verdict(reply + "\n" + quoted), ReplyFailure)
     assert isinstance(parse_verdict(escape_untrusted(reply)), ReplyFailure)
+    return got
 
 
 PLANNER = load_rubrics()["planner"]
@@ -509,9 +532,20 @@ rubric_replies = st.one_of(
 )
 
 
-@FUZZ
-@given(reply=rubric_replies, data=st.text(max_size=60))
-def test_fuzz_parse_scores(reply: str, data: str) -> None:
+def test_fuzz_parse_scores() -> None:
+    count, seen = {"n": 0}, set()
+
+    @FUZZ
+    @given(reply=rubric_replies, data=st.text(max_size=60))
+    def case(reply: str, data: str) -> None:
+        count["n"] += 1
+        _labelled(_check_scores(reply, data), SCORE_KINDS, seen)
+
+    case()
+    assert count["n"] >= 10_000 and seen == SCORE_KINDS, (count, seen)
+
+
+def _check_scores(reply: str, data: str) -> tuple | ReplyFailure:
     got = parse_scores(reply, PLANNER)
     assert isinstance(got, tuple | ReplyFailure)
     if isinstance(got, tuple):
@@ -527,3 +561,4 @@ def test_fuzz_parse_scores(reply: str, data: str) -> None:
     assert isinstance(parse_scores(prose + "\n" + escape_untrusted(data), PLANNER),
                       ReplyFailure)
     assert isinstance(parse_scores(escape_untrusted(reply), PLANNER), ReplyFailure)
+    return got

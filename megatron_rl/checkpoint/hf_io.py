@@ -27,14 +27,25 @@ _DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
+def _loads(raw: bytes, where: str) -> object:
+    """JSON from untrusted bytes; every way it fails is an HFCheckpointError starting `where`:
+    not UTF-8, not JSON, nested too deeply (RecursionError), an integer past Python's digit
+    limit (a plain ValueError)."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise HFCheckpointError(f"{where}: not UTF-8 text ({e})") from None
+    except json.JSONDecodeError as e:
+        raise HFCheckpointError(f"{where}: not JSON ({e})") from None
+    except RecursionError:
+        raise HFCheckpointError(f"{where}: JSON nested too deeply") from None
+    except ValueError as e:  # the int digit limit
+        raise HFCheckpointError(f"{where}: not usable JSON ({str(e).split(';')[0]})") from None
+
+
 def _read_json_object(path: Path) -> dict:
     """A JSON object from `path`, or HFCheckpointError naming the file."""
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise HFCheckpointError(f"{path}: not UTF-8 text ({e})") from e
-    except json.JSONDecodeError as e:
-        raise HFCheckpointError(f"{path}: not JSON ({e})") from e
+    data = _loads(path.read_bytes(), str(path))
     if not isinstance(data, dict):
         raise HFCheckpointError(f"{path}: not a JSON object (found {type(data).__name__})")
     return data
@@ -70,10 +81,7 @@ def _check_header(path: Path) -> dict[str, dict]:
             raise HFCheckpointError(f"{path}: header length {n} is beyond the file "
                                     f"({size} bytes)")
         raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFCheckpointError(f"{path}: unreadable safetensors header ({e})") from e
+    header = _loads(raw, f"{path}: unreadable safetensors header")
     if not isinstance(header, dict):
         raise HFCheckpointError(f"{path}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)

@@ -104,8 +104,10 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     `files` table of name -> {bytes, crc32}, each name a path inside the folder."""
     try:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable manifest ({e})") from e
+    except RecursionError:
+        raise CheckpointError(f"{path}: unreadable manifest (JSON nested too deeply)") from None
+    except ValueError as e:  # not UTF-8, not JSON, an integer past the digit limit
+        raise CheckpointError(f"{path}: unreadable manifest ({str(e).split(';')[0]})") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path}: unreadable manifest (not a JSON object)")
     missing = [k for k in REQUIRED_KEYS if k not in manifest]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ class _StrictLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # `{[1]: 2}`: `in seen` would raise TypeError
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"found unhashable key ({type(key).__name__})",
+                    key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark)
@@ -38,6 +43,8 @@ def load_yaml(text: str, where: str) -> Any:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no object-building tags
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    except RecursionError:  # PyYAML composes and constructs recursively
+        raise ConfigError(f"{where}: not valid YAML: nested too deeply") from None
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import hmac
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -150,7 +151,8 @@ class EmbeddedServer:
         self.served_model_name = served_model_name
         self.max_body_bytes = max_body_bytes
         self.max_weight_body_bytes = max_weight_body_bytes
-        self.control_timeout_s = control_timeout_s  # group joins and broadcasts
+        # every blocking control call: group joins, broadcasts, disk reads, scheduler calls
+        self.control_timeout_s = control_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s  # for in-flight handlers at stop
         self._token: bytes | None = None  # from the environment at start(), never logged
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -218,11 +220,20 @@ class EmbeddedServer:
         """Block until SIGINT/SIGTERM (the CLI); then stop within about `stop_timeout_s`
         (blocked control calls run on daemon threads, which do not hold up the exit)."""
         done = threading.Event()
+        signalled: list[float] = []
+
+        def on_signal(*_: object) -> None:
+            signalled.append(time.monotonic())
+            done.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: done.set())
+            signal.signal(sig, on_signal)
         while not done.wait(0.5) and self._thread.is_alive():
             pass
         self.stop(timeout_s=stop_timeout_s)
+        if signalled:  # what the server itself took, apart from the interpreter's exit
+            print(f"embedded server: stopped {time.monotonic() - signalled[0]:.2f}s after the "
+                  "signal", file=sys.stderr, flush=True)
 
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -257,13 +268,36 @@ class EmbeddedServer:
                 fut.set_exception(BadRequest("the server is stopping", 503))
         await runner.cleanup()
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.wrap_future(self.core.call(fn))
+    def _timed_out(self, what: str, timeout_s: float) -> BadRequest:
+        return BadRequest(f"{what}: no answer after {timeout_s:g}s (the server's control "
+                          "timeout, --control-timeout-s)", 504)
+
+    async def _call(self, fn: Callable[[], Any], what: str, finish_started: bool = False) -> Any:
+        """Run `fn` on the scheduler thread between two steps; 504 after the control timeout
+        (a scheduler stuck in a step must not hang the route). A call the scheduler has not
+        started by then is dropped, never run late; one it has started runs on (its outcome
+        is dropped), unless `finish_started`: then the route waits for it (`fn` reads memory
+        the route frees when it returns)."""
+        cfut = self.core.call(fn)
+        done = asyncio.wrap_future(cfut)
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), self.control_timeout_s)
+        except TimeoutError:
+            if cfut.cancel() or not finish_started:
+                raise self._timed_out(what, self.control_timeout_s) from None
+        except asyncio.CancelledError:  # the handler is cancelled (server shutdown)
+            if not cfut.cancel() and finish_started:
+                await done
+            raise
+        return await done
 
     async def _in_thread(self, fn: Callable[[], Any], what: str,
                          timeout_s: float | None = None) -> Any:
         """Run blocking `fn` on a daemon thread (not the loop's executor, whose threads the
-        interpreter joins at exit: a hung join would outlive SIGTERM); 504 after timeout_s."""
+        interpreter joins at exit: a hung join would outlive SIGTERM); 504 after timeout_s
+        (default: the control timeout; a hung filesystem or decode must not block forever)."""
+        timeout_s = self.control_timeout_s if timeout_s is None else timeout_s
         if self._stopping:
             raise BadRequest("the server is stopping", 503)
         loop = asyncio.get_running_loop()
@@ -288,8 +322,7 @@ class EmbeddedServer:
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
-            raise BadRequest(f"{what}: no answer after {timeout_s:g}s (the server's control "
-                             "timeout, --control-timeout-s)", 504) from None
+            raise self._timed_out(what, timeout_s) from None
         finally:
             self._waiting.discard(fut)
 
@@ -361,7 +394,7 @@ class EmbeddedServer:
             "architectures": getattr(cfg, "architectures", None)})
 
     async def _server_info(self, request: web.Request) -> web.Response:
-        info = await self._call(self.core.info)
+        info = await self._call(self.core.info, "server_info")
         return web.json_response({**info, "engine": "embedded", "model_path": self.model_path})
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -397,17 +430,17 @@ class EmbeddedServer:
         if rid is not None and not isinstance(rid, str):
             raise BadRequest(f"rid: expected a string, got {show(rid)}")
         abort_all = bool(typed_field(body, "abort_all", "bool", False, ""))
-        await self._call(lambda: self.core.abort(rid, abort_all=abort_all))
+        await self._call(lambda: self.core.abort(rid, abort_all=abort_all), "abort_request")
         return web.Response(status=200)
 
     async def _pause(self, request: web.Request) -> web.Response:
         body = await self._body(request, required=False)
         mode = body.get("mode", "abort")  # SGLang's default mode
-        await self._call(lambda: self.core.pause(mode))
+        await self._call(lambda: self.core.pause(mode), "pause_generation")
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def _continue(self, request: web.Request) -> web.Response:
-        await self._call(self.core.resume)
+        await self._call(self.core.resume, "continue_generation")
         return web.json_response({"message": "Generation continued successfully.",
                                   "status": "ok"})
 
@@ -436,17 +469,20 @@ class EmbeddedServer:
         if bucket is not None:  # same machine: copy straight from the trainer's segment
             with bucket as named:
                 await self._abort_all_if_asked(body)
-                await self._call(lambda: self.core.load_weights(named, version))
+                await self._call(lambda: self.core.load_weights(named, version),
+                                 "update_weights_from_tensor", finish_started=True)
             return web.json_response({"success": True,
                                       "message": "Succeeded to update weights."})
         await self._abort_all_if_asked(body)
-        await self._call(lambda: self.core.load_weights(named, version))
+        await self._call(lambda: self.core.load_weights(named, version),
+                         "update_weights_from_tensor")
         return web.json_response({"success": True, "message": "Succeeded to update weights."})
 
     async def _abort_all_if_asked(self, body: dict[str, Any]) -> None:
         if body.get("abort_all_requests"):
             await self._call(lambda: self.core.abort(None, abort_all=True,
-                                                     message="Aborted for a weight update"))
+                                                     message="Aborted for a weight update"),
+                             "abort_all_requests")
 
     async def _update_from_disk(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -464,7 +500,8 @@ class EmbeddedServer:
             raise BadRequest(f"model_path: {type(e).__name__}: {str(e)[:300]}") from None
         version = body.get("weight_version")
         await self._abort_all_if_asked(body)
-        await self._call(lambda: self.core.load_weights(named, version, require_complete=True))
+        await self._call(lambda: self.core.load_weights(named, version, require_complete=True),
+                         "update_weights_from_disk")
         self.model_path = path
         return web.json_response({"success": True, "message": "Succeeded to update weights.",
                                   "num_paused_requests": 0})
@@ -472,8 +509,9 @@ class EmbeddedServer:
     async def _update_version(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         if body.get("abort_all_requests", True):  # SGLang's default aborts all
-            await self._call(lambda: self.core.abort(None, abort_all=True))
-        await self._call(lambda: self.core.set_version(body.get("new_version")))
+            await self._call(lambda: self.core.abort(None, abort_all=True), "update_weight_version")
+        await self._call(lambda: self.core.set_version(body.get("new_version")),
+                         "update_weight_version")
         return web.json_response({"success": True, "new_version": self.core.weight_version,
                                   "message": f"Weight version updated to "
                                              f"{self.core.weight_version}"})
@@ -561,7 +599,8 @@ class EmbeddedServer:
         version = body.get("weight_version")
         await self._abort_all_if_asked(body)
         named = list(zip(names, empty, strict=True))
-        await self._call(lambda: self.core.load_weights(named, version))
+        await self._call(lambda: self.core.load_weights(named, version),
+                         "update_weights_from_distributed")
         return web.json_response({"success": True, "message": "Succeeded to update weights."})
 
     async def _destroy_group(self, request: web.Request) -> web.Response:
@@ -570,11 +609,12 @@ class EmbeddedServer:
         return web.json_response({"success": True, "message": "Succeeded to destroy group."})
 
     async def _release(self, request: web.Request) -> web.Response:
-        await self._call(self.core.release)
+        await self._call(self.core.release, "release_memory_occupation")
         return web.Response(status=200)
 
     async def _resume(self, request: web.Request) -> web.Response:
-        await self._call(lambda: setattr(self.core, "released", False))
+        await self._call(lambda: setattr(self.core, "released", False),
+                         "resume_memory_occupation")
         return web.Response(status=200)
 
     async def _flush(self, request: web.Request) -> web.Response:
@@ -651,7 +691,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-weight-body-mb", type=float, default=DEFAULT_MAX_WEIGHT_BODY / MiB,
                    help="body limit of /update_weights_from_tensor[/_distributed]")
     p.add_argument("--control-timeout-s", type=float, default=120.0,
-                   help="how long a group join or weight broadcast may block (504 after)")
+                   help="how long a control call may block: a group join, a weight broadcast "
+                        "or disk read, a call into the scheduler (504 after)")
     args = p.parse_args(argv)
     if engine_token() is None and not is_loopback_host(args.host):
         p.error(f"--host {args.host} is not loopback: set {TOKEN_ENV} in the environment")

@@ -441,6 +441,10 @@ class EmbeddedCore:
                         self.pending.append(payload)
                 else:
                     fn, fut = payload
+                    # False: the caller gave up (timeout, client gone) before it started; a
+                    # cancelled future would also make set_result raise on this thread
+                    if not fut.set_running_or_notify_cancel():
+                        continue
                     try:
                         fut.set_result(fn())
                     except BaseException as e:  # the caller gets it; the engine goes on

@@ -110,7 +110,7 @@ class EngineSpec:
     health_interval_s: float = 2.0
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 3600.0
-    control_timeout_s: float = 120.0        # embedded: group joins / broadcasts (504 after)
+    control_timeout_s: float = 120.0        # embedded: every blocking control call (504 after)
     bucket_bytes: int = 512 << 20
     persist_weight_updates: bool = True
     # the interface the server binds (its IPv4 on the engine's own node); None = Ray's node

@@ -16,7 +16,7 @@ from megatron_rl.env.base import ToolError
 from megatron_rl.env.http import HttpClient
 from megatron_rl.env.index import SearchHit, SearchIndex
 from megatron_rl.env.reliability import ManagedTool, ReliabilityConfig, ToolCache, ToolOutput
-from megatron_rl.utils.secrets import register_secret
+from megatron_rl.utils.secrets import excerpt, register_secret
 
 MAX_TOP_K = 20
 SEARCH_PARAMETERS: dict[str, Any] = {
@@ -51,7 +51,10 @@ def parse_hits(items: Any, where: str) -> list[SearchHit]:
     hits = []
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("url"), str):
-            raise ToolError("search_error", f"{where}: malformed result {str(item)[:200]}")
+            # redacted whole, then cut: a cut first could keep half of a key that Guard's
+            # redact no longer recognises
+            raise ToolError("search_error", f"{where}: malformed result "
+                                            f"{excerpt(str(item), 200)}")
         hits.append(SearchHit(title=str(item.get("title") or ""), url=item["url"],
                               snippet=str(item.get("snippet") or ""),
                               score=float(item.get("score") or 0.0)))

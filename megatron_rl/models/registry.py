@@ -296,8 +296,10 @@ def spec_from_hf(folder: str | Path) -> ModelSpec:
         raise ConfigError(f"model.hf_path={str(folder)!r}: no config.json there")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # a ValueError too: the int digit limit
         raise ConfigError(f"{path}: not a JSON file ({type(e).__name__})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     return spec_from_hf_config(config, str(path))
 
 

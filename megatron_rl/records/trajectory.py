@@ -20,7 +20,9 @@ environment; a single response longer than any may be (`response_too_long`) to t
 `to_dict()` is plain JSON that `json.dumps(..., allow_nan=False)` always writes: the agents'
 parser already bounds and checks model-written tool arguments (`agents.tool_parser`), and
 `to_dict` passes them through `json_safe` again, so a `ToolCall` built anywhere else cannot
-end a run in a dump or a forest commit either.
+end a run in a dump or a forest commit either. Rewards and metadata go through `json_safe`
+too, and a NaN or infinite log-prob or reward is written as its repr ("nan", "inf", "-inf"),
+which `from_dict` reads back as the float (metadata keeps the string).
 """
 
 from __future__ import annotations
@@ -76,6 +78,29 @@ def json_safe(value: Any, depth: int = MAX_JSON_DEPTH) -> Any:
     return f"<{type(value).__name__}>"
 
 
+_NON_FINITE = ("nan", "inf", "-inf")  # json_safe's spelling of non-finite floats
+
+
+def _floats_out(values: list[Any]) -> list[Any]:
+    """A float list as strict JSON (the common all-finite case without a per-item copy)."""
+    try:
+        if all(map(math.isfinite, values)):
+            return list(values)
+    except TypeError:  # a None or a non-number: json_safe marks it
+        pass
+    return json_safe(list(values))
+
+
+def _float_in(value: Any) -> Any:
+    """`_floats_out`'s inverse for one value: "nan" / "inf" / "-inf" back to the float."""
+    return float(value) if isinstance(value, str) and value in _NON_FINITE else value
+
+
+def _rewards_in(rewards: Any) -> Any:
+    return ({k: _float_in(v) for k, v in rewards.items()} if isinstance(rewards, dict)
+            else rewards)
+
+
 @dataclass
 class ToolCall:
     name: str
@@ -127,7 +152,9 @@ class Turn:
         `ToolCall.to_dict`."""
         shallow = copy.copy(self)
         shallow.tool_calls = []
-        return {**asdict(shallow), "tool_calls": [c.to_dict() for c in self.tool_calls]}
+        return {**asdict(shallow), "output_logprobs": _floats_out(self.output_logprobs),
+                "rewards": json_safe(self.rewards),
+                "tool_calls": [c.to_dict() for c in self.tool_calls]}
 
 
 @dataclass
@@ -209,11 +236,22 @@ class Trajectory:
 
     def to_dict(self) -> dict[str, Any]:
         shallow = copy.copy(self)
-        shallow.turns = []
-        return {**asdict(shallow), "turns": [t.to_dict() for t in self.turns]}
+        shallow.turns, shallow.rewards, shallow.metadata = [], {}, {}
+        return {**asdict(shallow), "rewards": json_safe(self.rewards),
+                "metadata": json_safe(self.metadata), "turns": [t.to_dict() for t in self.turns]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
-        turns = [Turn(**{**t, "tool_calls": [ToolCall(**c) for c in t.get("tool_calls", [])]})
-                 for t in d.get("turns", [])]
-        return cls(**{**d, "turns": turns})
+        """The inverse of `to_dict` (non-finite log-probs and rewards come back as floats)."""
+        turns = []
+        for t in d.get("turns", []):
+            fields = {**t, "tool_calls": [ToolCall(**c) for c in t.get("tool_calls", [])]}
+            if isinstance(t.get("output_logprobs"), list):
+                fields["output_logprobs"] = [_float_in(x) for x in t["output_logprobs"]]
+            if "rewards" in t:
+                fields["rewards"] = _rewards_in(t["rewards"])
+            turns.append(Turn(**fields))
+        out = {**d, "turns": turns}
+        if "rewards" in d:
+            out["rewards"] = _rewards_in(d["rewards"])
+        return cls(**out)

@@ -6,10 +6,12 @@ It never raises for a failed call: `call` returns `(value, None)` or `(None, rea
 retries are spent, so one bad judge reply cannot crash a batch. Every reply problem is a counted
 failure kind: `oversized` (bodies are size-capped while they are read, so a huge one is never
 parsed), `bad_utf8`, `bad_json` (nesting too deep included), `not_object`, `malformed` (no
-`choices[0].message.content` string), `unparseable` (the caller's parser refused it). The API
-key is read from the environment variable the config names, sent only in the Authorization
-header, and scrubbed from every message this module produces (a server may echo it back in an
-error body): bodies are redacted whole before they are cut.
+`choices[0].message.content` string), `unparseable` (the caller's parser refused it); a request
+that cannot be written as JSON is `bad_request` (not retried). Settings are checked when the
+config is built: finite numbers in range, `extra_body` JSON, so a bad judge section fails at
+setup, naming the field. The API key is read from the environment variable the config names,
+sent only in the Authorization header, and scrubbed from every message this module produces (a
+server may echo it back in an error body): bodies are redacted whole before they are cut.
 
 Text a judge prompt quotes from outside (a candidate answer, a page, a turn) goes through
 `quote_untrusted`: inside a named tag, HTML-escaped, so it cannot close the tag, spell a chat
@@ -27,6 +29,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -45,6 +48,14 @@ T = TypeVar("T")
 
 _ERROR_BODY_BYTES = 64 * 1024  # an error body is read only this far: enough for its message
 _SNIPPET = 200                 # characters of a body quoted in a failure detail
+_DAY = 86_400.0                # longer timeouts and delays are config mistakes (and overflow)
+# ClientConfig's integer fields and their minimum
+_INT_FIELDS = (("max_concurrency", 1), ("burst", 1), ("max_retries", 0), ("max_tokens", 1),
+               ("max_reply_bytes", 1024))
+# ClientConfig's float fields: (name, low, high, low excluded)
+_FLOAT_FIELDS = (("requests_per_s", 0.0, 1e6, False), ("backoff_s", 0.0, _DAY, False),
+                 ("max_backoff_s", 0.0, _DAY, False), ("timeout_s", 0.0, _DAY, True),
+                 ("temperature", 0.0, 100.0, False))
 
 
 @dataclass(frozen=True)
@@ -115,19 +126,37 @@ class ClientConfig:
     max_reply_bytes: int = 2 * 2**20  # a longer reply body is refused unread (`oversized`)
 
     def __post_init__(self) -> None:
-        urls = [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
-        if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
-                                for u in urls):
+        urls = [self.base_url] if isinstance(self.base_url, str) else self.base_url
+        if not (isinstance(urls, list | tuple) and urls and all(
+                isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls)):
             raise ValueError(f"base_url={self.base_url!r}: http(s) URL(s) ending in /v1")
-        for name, low in (("max_concurrency", 1), ("burst", 1), ("max_retries", 0),
-                          ("max_tokens", 1), ("max_reply_bytes", 1024)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= {low}")
-        for name in ("requests_per_s", "backoff_s", "max_backoff_s", "temperature"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s={self.timeout_s}: must be > 0")
+        if not (isinstance(self.model, str) and self.model):
+            raise ValueError(f"model={self.model!r}: must be a non-empty string")
+        if self.api_key_env is not None and not (isinstance(self.api_key_env, str)
+                                                 and self.api_key_env):
+            raise ValueError(f"api_key_env={self.api_key_env!r}: the name of an environment "
+                             "variable")
+        for name, low in _INT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not int or value < low:
+                raise ValueError(f"{name}={value!r}: must be an integer >= {low}")
+        # NaN passes every `< 0` test and an infinite timeout or delay never ends: finite only
+        for name, low, high, open_low in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            ok = (isinstance(value, int | float) and not isinstance(value, bool)
+                  and math.isfinite(value) and (value > low if open_low else value >= low)
+                  and value <= high)
+            if not ok:
+                bound = f"{'>' if open_low else '>='} {low:g} and <= {high:g}"
+                raise ValueError(f"{name}={value!r}: must be a finite number {bound}")
+        if not isinstance(self.extra_body, dict) or not all(
+                isinstance(k, str) for k in self.extra_body):
+            raise ValueError(f"extra_body={self.extra_body!r}: must be a mapping of string keys")
+        try:  # it is sent as JSON with every request: refuse here, not in every call
+            json.dumps(self.extra_body, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ValueError(f"extra_body: not JSON-serialisable ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from None
 
     @property
     def urls(self) -> list[str]:
@@ -137,11 +166,14 @@ class ClientConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "judge") -> ClientConfig:
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(k if isinstance(k, str) else repr(k) for k in set(d) - known)
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(known))}")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except ValueError as e:  # name the config section the bad value came from
+            raise ValueError(f"{where}: {e}") from None
 
 
 class _Retryable(Exception):
@@ -172,6 +204,9 @@ class ChatClient:
             if not self._key:
                 raise ValueError(f"judge API key: environment variable {config.api_key_env} "
                                  "is not set")
+            if any(not 0x20 < ord(c) < 0x7F for c in self._key):  # aiohttp would raise per call
+                raise ValueError(f"judge API key: environment variable {config.api_key_env} "
+                                 "holds whitespace, control or non-ASCII characters")
             register_secret(self._key)  # scrubbed from every message of rewards/ and env/
         self.bucket = (TokenBucket(config.requests_per_s, config.burst, owner=repr(self))
                        if config.requests_per_s > 0 else None)
@@ -241,14 +276,21 @@ class ChatClient:
         c = self.config
         body = {"model": c.model, "messages": messages, "max_tokens": c.max_tokens,
                 "temperature": c.temperature, **c.extra_body}
-        headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
+        try:  # serialised here: aiohttp's `json=` would raise TypeError out of `call`
+            data = json.dumps(body, allow_nan=False).encode()
+        except (TypeError, ValueError, RecursionError) as e:
+            raise _Fatal("bad_request", f"request body is not JSON ({type(e).__name__}: "
+                                        f"{excerpt(str(e), _SNIPPET)})") from None
+        headers = {"Content-Type": "application/json"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
         session = self._http.get()  # first: names the client if the loop is wrong
         async with self._slots:
             if self.bucket is not None:  # after the slot: a token is spent only when sending
                 await self.bucket.acquire()
             self.stats["attempts"] += 1
             try:
-                async with session.post(f"{url}/chat/completions", json=body, headers=headers,
+                async with session.post(f"{url}/chat/completions", data=data, headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=c.timeout_s)) as r:
                     status, retry_after = r.status, r.headers.get("Retry-After")
                     if status < 400:
