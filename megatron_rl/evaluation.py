@@ -105,12 +105,15 @@ async def evaluate_prompts(agent: Any, engine: Any, score: Any, prompts: list[An
     """The agent once on each held-out prompt (as configured, e.g. greedy), scored by
     `score(trajectories)`; the taxonomy metrics under `prefix/` (pass rate, reward, turns,
     lengths, abnormal rates)."""
+    from megatron_rl.env.base import row_arguments
     from megatron_rl.rewards.taxonomy import taxonomy_metrics
 
-    trajs = list(await asyncio.gather(*(
-        agent.run(p.question, p.answer, engine, group_id=p.uid, uid=p.uid,
-                  **({"messages": p.messages} if getattr(p, "messages", None) else {}))
-        for p in prompts)))
+    async def one(p: Any) -> Any:
+        with row_arguments(getattr(p, "metadata", {}).get("tool_arguments")):  # tools_kwargs
+            return await agent.run(p.question, p.answer, engine, group_id=p.uid, uid=p.uid, **(
+                {"messages": p.messages} if getattr(p, "messages", None) else {}))
+
+    trajs = list(await asyncio.gather(*(one(p) for p in prompts)))
     await score(trajs)
     return {f"{prefix}/{k.split('/', 1)[-1]}": v for k, v in taxonomy_metrics(trajs).items()
             if k.startswith(("rollout/", "reward/"))}

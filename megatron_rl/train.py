@@ -25,8 +25,10 @@ from megatron_rl.agents.tokenizer import pad_id, run_tokenizer
 from megatron_rl.algorithms.entropy import EntropyPIController
 from megatron_rl.algorithms.reward_managers import needs
 from megatron_rl.config.schema import Config
+from megatron_rl.data.parquet import read_prompts
 from megatron_rl.distributed.spmd import RankObjects, SPMDGroup
 from megatron_rl.engines.launch import start_engines
+from megatron_rl.env.build import BUILTIN_PARAMETERS
 from megatron_rl.evaluation import evaluate_prompts
 from megatron_rl.models.registry import model_spec
 from megatron_rl.rewards.shaping import shape_rewards
@@ -59,6 +61,20 @@ def _dump(path: Path, step: int, trajectories: list[Any]) -> None:
             for turn in row["turns"]:
                 turn.pop("routed_experts", None)
             f.write(json.dumps({"step": step, **row}) + "\n")
+
+
+def check_inputs(cfg: Config) -> None:
+    """What a user brings, checked before any rank or engine starts (`megatron-rl train` makes
+    each problem one line): the tokenizer against the model's embedding, and every row of the
+    data files, their `tools_kwargs` against the tools' schemas when the tools are built-in
+    (a plugin tool's are checked when the task builds it)."""
+    run_tokenizer(cfg.model.hf_path, cfg.model.name, model_spec(cfg.model).vocab_size)
+    data = cfg.data
+    tools = {t: BUILTIN_PARAMETERS[t] for t in cfg.rl.tools} \
+        if set(cfg.rl.tools) <= set(BUILTIN_PARAMETERS) else None
+    for files, curriculum in ((data.train_files, data.curriculum), (data.val_files, "none")):
+        if files:
+            read_prompts(files, tool_parameters=tools, curriculum=curriculum)
 
 
 def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:

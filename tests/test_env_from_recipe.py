@@ -44,7 +44,8 @@ def _prompts(path, tools_kwargs):
 
 
 def test_user_corpus_data_and_cache_from_the_recipe(corpus_index, tmp_path):
-    data = _prompts(tmp_path / "train.parquet", {"search": {"top_k": 3}, "visit": {"x": 1}})
+    data = _prompts(tmp_path / "train.parquet",
+                    {"search": {"top_k": 3}, "visit": {"goal": "birthplace"}})
     cfg = load_config("tiny-moe-rl-cpu", [
         f"env.search.index={corpus_index}", f"env.cache={tmp_path / 'cache.sqlite'}",
         f"data.train_files=[{data}]", "rl.eval_every=0"])

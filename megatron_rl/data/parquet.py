@@ -10,8 +10,13 @@ One row per prompt, the columns verl's RL datasets use:
   answer(s), verl's plain string or LiteResearcher's nested target;
 - `extra_info` (dict, optional): `index` (the row's id), `bucket` / `difficulty` (curriculum),
   anything else kept;
-- `tools_kwargs` (dict, optional, or `extra_info.tools_kwargs`): per-tool arguments; its keys
-  must be tool names.
+- `tools_kwargs` (dict, optional, or `extra_info.tools_kwargs`): per-tool arguments for this
+  row's episodes; its keys must be tool names. Each value is `{argument: value}` (e.g.
+  `{search: {top_k: 3}}`), or verl's `{create_kwargs, execute_kwargs, calc_reward_kwargs,
+  release_kwargs}`, of which `execute_kwargs` are the arguments (the others configure verl's
+  stateful tool instances, which these tools do not have). The arguments are checked against
+  the tool's schema and fixed for the row: they override what the model passes (`Prompt.metadata
+  ["tool_arguments"]`, applied by `env.base.row_arguments`).
 
 Every problem is a `DataError` naming the file, the row and the field, raised when the files
 are read (a `tools_kwargs` key that is no tool fails here, not mid-rollout).
@@ -21,13 +26,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.env.base import validate_arguments
 from megatron_rl.records.prompt import Prompt
 
 ROLES = ("system", "user", "assistant", "tool")
+# verl's per-tool entries; `execute_kwargs` go with every call
+VERL_TOOL_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
 MAX_TEXT = 1 << 20  # characters of one message: a prompt is not a corpus
 
 
@@ -125,8 +133,42 @@ def _mapping(value: Any, where: str) -> Any:
     return value
 
 
-def parse_row(row: Any, where: str, tool_names: Iterable[str] | None = None) -> Prompt:
-    """One verl row → a `Prompt` (question = the last user message)."""
+def tool_arguments(tools_kwargs: dict[str, Any], where: str,
+                   parameters: Mapping[str, Mapping[str, Any] | None] | None = None
+                   ) -> dict[str, dict[str, Any]]:
+    """A row's `tools_kwargs` → {tool: arguments} (verl's layout: its `execute_kwargs`), each
+    argument checked against the tool's JSON schema in `parameters` when it is known."""
+    out = {}
+    for name, entry in tools_kwargs.items():
+        w = f"{where}.{name}"
+        entry = _mapping(entry, w)
+        if not isinstance(entry, dict):
+            raise DataError(f"{w}: a mapping of argument → value, got {type(entry).__name__}")
+        verl = [k for k in entry if k in VERL_TOOL_KEYS]
+        if verl:
+            if len(verl) != len(entry):
+                raise DataError(f"{w}: mixes verl's {verl} with arguments "
+                                f"{sorted(set(entry) - set(verl))}")
+            w += ".execute_kwargs"
+            entry = _mapping(entry.get("execute_kwargs"), w)
+            if not isinstance(entry, dict):
+                raise DataError(f"{w}: a mapping of argument → value")
+        schema = (parameters or {}).get(name)
+        if schema is not None and entry:
+            # only the given keys: the model still writes the required ones (the query)
+            problem = validate_arguments({"properties": schema.get("properties", {})}, entry)
+            if problem is not None:
+                raise DataError(f"{w}: {problem}")
+        if entry:
+            out[str(name)] = dict(entry)
+    return out
+
+
+def parse_row(row: Any, where: str, tool_names: Iterable[str] | None = None,
+              tool_parameters: Mapping[str, Mapping[str, Any] | None] | None = None) -> Prompt:
+    """One verl row → a `Prompt` (question = the last user message). `tool_names`: the run's
+    tools (a `tools_kwargs` key that is none is an error); `tool_parameters`: their argument
+    schemas, by name, to check the values against (None for a tool whose schema is unknown)."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row is a mapping of columns, got {type(row).__name__}")
     for column in ("prompt", "reward_model"):
@@ -144,11 +186,14 @@ def parse_row(row: Any, where: str, tool_names: Iterable[str] | None = None) -> 
                             f"{where}.tools_kwargs")
     if not isinstance(tools_kwargs, dict):
         raise DataError(f"{where}.tools_kwargs: a mapping of tool name → arguments")
+    if tool_names is None and tool_parameters is not None:
+        tool_names = list(tool_parameters)
     if tool_names is not None:
         unknown = sorted(set(tools_kwargs) - set(tool_names))
         if unknown:
             raise DataError(f"{where}.tools_kwargs: {unknown} are not tools of this run "
                             f"(tools: {', '.join(sorted(tool_names))})")
+    arguments = tool_arguments(tools_kwargs, f"{where}.tools_kwargs", tool_parameters)
     for field in ("data_source", "ability"):
         if row.get(field) is not None and not isinstance(row[field], str):
             raise DataError(f"{where}.{field}: a string")
@@ -156,7 +201,7 @@ def parse_row(row: Any, where: str, tool_names: Iterable[str] | None = None) -> 
     answer = answers[0] if len(answers) == 1 else json.dumps(answers)
     return Prompt(question, answer, uid="", messages=messages, metadata={
         "data_source": row.get("data_source") or "", "ability": row.get("ability") or "",
-        "extra_info": extra, "tools_kwargs": tools_kwargs})
+        "extra_info": extra, "tools_kwargs": tools_kwargs, "tool_arguments": arguments})
 
 
 def bucket_of(prompt: Prompt) -> Any:
@@ -165,7 +210,9 @@ def bucket_of(prompt: Prompt) -> Any:
 
 
 def read_prompts(files: Sequence[str | Path], *, tool_names: Iterable[str] | None = None,
-                 curriculum: str = "none") -> list[Prompt]:
+                 curriculum: str = "none",
+                 tool_parameters: Mapping[str, Mapping[str, Any] | None] | None = None
+                 ) -> list[Prompt]:
     """Every row of `files`, in file and row order (`curriculum="bucket"`: stable-sorted by
     `extra_info.bucket`, else `.difficulty`). A prompt's uid is `extra_info.index` if given,
     else `<file stem>:<row>`; uids must be unique (they are the GRPO group ids)."""
@@ -175,7 +222,7 @@ def read_prompts(files: Sequence[str | Path], *, tool_names: Iterable[str] | Non
     for f in files:
         path = Path(f)
         for i, (where, row) in enumerate(iter_rows(path)):
-            p = parse_row(row, where, names)
+            p = parse_row(row, where, names, tool_parameters)
             index = p.metadata["extra_info"].get("index")
             p.uid = f"{path.stem}:{index if index is not None else i}"
             if p.uid in seen:

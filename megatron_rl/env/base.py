@@ -8,7 +8,10 @@ validated against the tool's JSON schema first (`bad_arguments`, never an except
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -121,3 +124,27 @@ def validate_arguments(schema: dict[str, Any], arguments: dict[str, Any]) -> str
         if (msg := _check_value(key, value, props[key])) is not None:
             return msg
     return None
+
+
+# The running episode's per-row tool arguments (a data row's `tools_kwargs`): {tool: {arg: v}}.
+# A context variable, so each episode (its own asyncio task) sees its own row's, and agents need
+# not carry them.
+_ROW_ARGUMENTS: ContextVar[Mapping[str, Mapping[str, Any]] | None] = ContextVar(
+    "row_tool_arguments", default=None)
+
+
+@contextlib.contextmanager
+def row_arguments(arguments: Mapping[str, Mapping[str, Any]] | None) -> Iterator[None]:
+    """Within this block (an episode), tool calls get `arguments[tool.name]` on top of the
+    model's: the row's values win."""
+    token = _ROW_ARGUMENTS.set(arguments)
+    try:
+        yield
+    finally:
+        _ROW_ARGUMENTS.reset(token)
+
+
+def with_row_arguments(tool: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's arguments with the running episode's fixed ones for `tool` applied."""
+    fixed = _ROW_ARGUMENTS.get()
+    return {**arguments, **fixed.get(tool, {})} if fixed else dict(arguments)

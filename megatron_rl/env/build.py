@@ -14,8 +14,9 @@ from typing import Any
 from megatron_rl.config.schema import EnvConfig
 from megatron_rl.env.base import Tool
 from megatron_rl.env.reliability import ToolCache, open_cache
-from megatron_rl.env.search import HttpSearch, LocalSearch, SerperSearch
+from megatron_rl.env.search import SEARCH_PARAMETERS, HttpSearch, LocalSearch, SerperSearch
 from megatron_rl.env.visit import (
+    VISIT_PARAMETERS,
     ChatSummarizer,
     ExtractiveSummarizer,
     HttpPages,
@@ -23,6 +24,11 @@ from megatron_rl.env.visit import (
     LocalPages,
     Visit,
 )
+
+# the built-in tools' argument schemas by registry name: data rows' `tools_kwargs` are checked
+# against them before any tool (or rank, or engine) is built
+BUILTIN_PARAMETERS: dict[str, dict[str, Any]] = {"search": SEARCH_PARAMETERS,
+                                                 "visit": VISIT_PARAMETERS}
 
 
 @dataclass

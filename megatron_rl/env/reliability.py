@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from megatron_rl.config.schema import ReliabilityConfig
-from megatron_rl.env.base import ErrorLabel, ToolError, ToolResult, validate_arguments
+from megatron_rl.env.base import (
+    ErrorLabel,
+    ToolError,
+    ToolResult,
+    validate_arguments,
+    with_row_arguments,
+)
 from megatron_rl.utils.http import LoopBound, TokenBucket
 from megatron_rl.utils.secrets import redact, register_secret
 
@@ -256,6 +262,7 @@ class ManagedTool:
 
     async def __call__(self, /, **arguments: Any) -> ToolResult:
         t0 = time.perf_counter()
+        arguments = with_row_arguments(self.name, arguments)  # the data row's tools_kwargs
         problem = validate_arguments(self.parameters, arguments)
         if problem is not None:
             return ToolResult.failure("bad_arguments", problem, tool=self.name,

@@ -23,6 +23,7 @@ from typing import Any
 from megatron_rl.algorithms.advantages import dynamic_sampling_filter, trajectory_flags
 from megatron_rl.config.schema import SchedulerConfig
 from megatron_rl.engines.base import RolloutEngine
+from megatron_rl.env.base import row_arguments
 from megatron_rl.records.prompt import Prompt
 from megatron_rl.records.trajectory import Trajectory
 from megatron_rl.rollout.forest import RolloutForest
@@ -91,10 +92,11 @@ class RolloutScheduler:
             group.nodes[i] = self.forest.commit(group.nodes[i], traj, state)
 
         keep = self.cfg.partial_rollout  # without it a cut session starts over: keep nothing
-        traj = await self.agent.run(p.question, p.answer, self.engine, group_id=p.uid,
-                                    uid=f"{p.uid}/s{step}/{i}", resume=resume,
-                                    commit=commit if keep else None,
-                                    **({"messages": p.messages} if p.messages else {}))
+        with row_arguments(p.metadata.get("tool_arguments")):  # the row's tools_kwargs
+            traj = await self.agent.run(p.question, p.answer, self.engine, group_id=p.uid,
+                                        uid=f"{p.uid}/s{step}/{i}", resume=resume,
+                                        commit=commit if keep else None,
+                                        **({"messages": p.messages} if p.messages else {}))
         traj.metadata.update(p.metadata)
         if keep:
             commit(traj, {"done": True})

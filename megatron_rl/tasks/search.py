@@ -6,7 +6,7 @@ over the world question's known path, no model; `rewards/world_rubric.py`)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ def search_task(cfg: Config, tokenizer: Any, folder: Path,
     tools = [TOOLS.get(name, f"rl.tools[{i}]")(ctx) for i, name in enumerate(rl.tools)]
     n_eval = rl.eval_prompts if rl.eval_every else 0
     if cfg.data.train_files:
-        prompts, held_out = data_prompts(cfg, [t.name for t in tools], n_eval)
+        prompts, held_out = data_prompts(cfg, {t.name: t.parameters for t in tools}, n_eval)
     else:
         prompts, held_out = world_prompts(cfg, world, n_eval)
     agent, eval_agent = build_agents(cfg, tokenizer, tools)
@@ -67,13 +67,14 @@ def world_prompts(cfg: Config, world: Any, n_eval: int) -> tuple[Iterator[Prompt
     return cycle(train, prompt), [prompt(q, f"eval{i}") for i, q in enumerate(held_out)]
 
 
-def data_prompts(cfg: Config, tool_names: list[str], n_eval: int
+def data_prompts(cfg: Config, tools: Mapping[str, Mapping[str, Any] | None], n_eval: int
                  ) -> tuple[Iterator[Prompt], list[Prompt]]:
     """`data.train_files` cycled epoch by epoch (uids `<file>:<index>.e<epoch>`), and the
-    first `n_eval` rows of `data.val_files` held out."""
+    first `n_eval` rows of `data.val_files` held out. `tools`: the run's tools' argument
+    schemas by name (rows' `tools_kwargs` are checked against them)."""
     data = cfg.data
-    train = read_prompts(data.train_files, tool_names=tool_names, curriculum=data.curriculum)
-    held_out = read_prompts(data.val_files, tool_names=tool_names)[:n_eval] \
+    train = read_prompts(data.train_files, tool_parameters=tools, curriculum=data.curriculum)
+    held_out = read_prompts(data.val_files, tool_parameters=tools)[:n_eval] \
         if data.val_files and n_eval else []
     def epoch_uid(p: Prompt, uid: str) -> Prompt:
         return dataclasses.replace(p, uid=f"{p.uid}.{uid.rsplit('.')[-1]}")

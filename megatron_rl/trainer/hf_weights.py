@@ -38,13 +38,14 @@ def initial_weights(cfg: Config, spec: ModelSpec, progress: bool = True) -> str 
 
 
 def checkpoint_due(ck: Any, step: int, steps: int) -> tuple[bool, bool]:
-    """(save, export) after run step `step` of `steps`: saves every `save_every` steps and at
-    the end (a run's final model is always kept when `checkpoint.dir` is set); exports every
-    `export_hf_every` saved steps and at the end with `export_hf`."""
+    """(save, export) after run step `step` of `steps`: exports every `export_hf_every` steps
+    and at the end with `export_hf`; saves every `save_every` steps, at the end (a run's final
+    model is always kept when `checkpoint.dir` is set) and on every export step (an export is
+    written from that step's checkpoint)."""
     last = step == steps
-    save = bool(ck.dir) and (last or bool(ck.save_every and step % ck.save_every == 0))
-    export = save and ((bool(ck.export_hf_every) and step % ck.export_hf_every == 0)
-                       or (last and ck.export_hf))
+    export = bool(ck.dir) and ((bool(ck.export_hf_every) and step % ck.export_hf_every == 0)
+                               or (last and ck.export_hf))
+    save = bool(ck.dir) and (last or export or bool(ck.save_every and step % ck.save_every == 0))
     return save, export
 
 

@@ -7,7 +7,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron_rl.checkpoint.training_checkpoint import load_checkpoint, save_checkpoint
+import torch
+
+from megatron_rl.checkpoint.errors import CheckpointError
+from megatron_rl.checkpoint.training_checkpoint import (
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from megatron_rl.config.schema import Config
 from megatron_rl.records.batch import TokenBatch
 from megatron_rl.trainer.actor import MegatronActor
@@ -15,24 +22,56 @@ from megatron_rl.trainer.policy_update import policy_update
 from megatron_rl.trainer.reference import ReferencePolicy
 from megatron_rl.trainer.weight_sync import WeightSyncer, gatherer_for
 
+# progress key of a checkpoint: the step folder the run's weights started from (its KL reference)
+REFERENCE_KEY = "started_from"
+
 
 class TrainerWorker:
     def __init__(self, cfg: Config, initial: str | None = None):
         """Build the actor: resumed from `checkpoint.load`, else started from the weights of
-        `checkpoint.init_from` or `initial` (model.hf_path, converted by the driver)."""
+        `checkpoint.init_from` or `initial` (model.hf_path, converted by the driver). The KL
+        reference is the weights the run started from, also after a resume."""
         self.cfg = cfg
         self.actor = MegatronActor(cfg)
-        # the run's initial policy, also when resuming (taken before loading)
-        self.reference = ReferencePolicy(self.actor) if cfg.rl.loss.kl_coef else None
-        self.progress: dict[str, Any] = {"step": 0}
+        kl = bool(cfg.rl.loss.kl_coef)
         ck = cfg.checkpoint
+        start = None if ck.load else ck.init_from or initial
+        # a run from a fresh init has these as its reference (seeded: the same on resume)
+        self.reference = ReferencePolicy(self.actor) if kl and not start else None
+        self.progress: dict[str, Any] = {"step": 0}
+        # the step folder the run started from, kept in its checkpoints (`latest` moves on)
+        self.started_from = str(resolve_checkpoint(start).resolve()) if start else None
         if ck.load:
             self.progress = load_checkpoint(self.actor, ck.dir if ck.load == "latest"
                                             else ck.load)
-        elif ck.init_from or initial:  # weights only: the run's own step, optimizer, data
-            load_checkpoint(self.actor, ck.init_from or initial, optimizer=False, rng=False,
-                            resume=False)
+            self.started_from = self.progress.get(REFERENCE_KEY)  # None: a fresh init
+            if kl and self.started_from:
+                self.reference = None  # freed before the swap below
+                self.reference = self._reference_from(self.started_from)
+        elif start:  # weights only: the run's own step, optimizer, data
+            load_checkpoint(self.actor, start, optimizer=False, rng=False, resume=False)
+            if kl:
+                self.reference = ReferencePolicy(self.actor)
         self.syncer: WeightSyncer | None = None
+
+    def _reference_from(self, source: str) -> ReferencePolicy:
+        """The weights of `source` as the reference, the actor's own put back afterwards."""
+        module = self.actor.model[0].module
+        live = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()
+                if isinstance(v, torch.Tensor)}
+        hf_layout = self.actor.hf_layout
+        try:
+            load_checkpoint(self.actor, source, optimizer=False, rng=False, resume=False)
+        except CheckpointError as e:
+            raise CheckpointError(f"the KL reference of this resumed run is the weights it "
+                                  f"started from, {source}, which cannot be loaded: {e}") from e
+        reference = ReferencePolicy(self.actor)
+        with torch.no_grad():  # in place: the optimizer's views of the parameters stay valid
+            for k, v in module.state_dict().items():
+                if k in live:
+                    v.copy_(live[k])
+        self.actor.hf_layout = hf_layout
+        return reference
 
     def describe(self) -> dict[str, Any]:
         """The layout the driver needs and the progress of a resumed run."""
@@ -64,7 +103,8 @@ class TrainerWorker:
 
     def save(self, progress: dict[str, Any]) -> None:
         cfg = self.cfg.checkpoint
-        save_checkpoint(self.actor, cfg.dir, progress=progress, keep_last=cfg.keep_last)
+        save_checkpoint(self.actor, cfg.dir, keep_last=cfg.keep_last,
+                        progress={**progress, REFERENCE_KEY: self.started_from})
 
     def close(self) -> None:
         if self.syncer is not None:
