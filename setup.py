@@ -33,7 +33,9 @@ setup(
         "sglang": ["sglang==0.5.23", "sglang-router"],
         "tracking": ["tensorboard", "wandb"],
         "dev": [
-            "pytest", "pytest-timeout", "hypothesis", "ruff", "py-spy", "tensorboard", "import-linter",
+            "pytest", "pytest-timeout", "hypothesis", "ruff", "py-spy", "tensorboard",
+            # .importlinter's `acyclic_siblings` contract: tested with 2.17
+            "import-linter>=2.17",
         ],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

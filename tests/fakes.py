@@ -4,16 +4,20 @@ protocol and in-memory search/visit tools (the tiny tokenizer lives in `agents.t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
+from megatron_rl.agents.base import AgentConfig
+from megatron_rl.config.schema import AgentLimitsConfig
 from megatron_rl.engines.base import (
     EngineError,
     GenerateRequest,
     GenerateResult,
     NoServerControl,
+    SamplingParams,
 )
 from megatron_rl.env.base import ToolResult
 
@@ -151,3 +155,16 @@ def build_index_cli(root: Any, rows: list[dict[str, Any]]) -> Any:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"{len(rows)} docs" in proc.stdout, proc.stdout
     return root / "index"
+
+
+def agent_config(**kw: Any) -> AgentConfig:
+    """An `AgentConfig` for a test (a run builds it from the recipe: `tasks.base.agent_config`):
+    8 turns, a 32k context, default sampling; `kw` overrides, `rl.agent_limits` fields by
+    name."""
+    names = {f.name for f in dataclasses.fields(AgentLimitsConfig)}
+    limits = AgentLimitsConfig(**{k: kw.pop(k) for k in list(kw) if k in names})
+    kw.setdefault("limits", limits)
+    kw.setdefault("max_turns", 8)
+    kw.setdefault("max_context_tokens", 32_768)
+    kw.setdefault("sampling", SamplingParams())
+    return AgentConfig(**kw)

@@ -77,13 +77,29 @@ def one_step_as_before(overrides: list[str], init: str) -> dict:
     return out
 
 
-def mini_batch_steps(overrides: list[str], init: str, k: int, epochs: int = 1) -> dict:
+def mini_batch_steps(overrides: list[str], init: str, k: int, epochs: int = 1,
+                     loss_agg_mode: str | None = None) -> dict:
     """The optimizer steps of one run step split into `k` PPO mini-batches."""
     actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
                                    *overrides])
     load_checkpoint(actor, init, optimizer=False, rng=False)
     batch, _ = rollout_batch()
-    steps, metrics = policy_update_steps(
-        actor, batch, PolicyLossConfig(clip_ratio_high=0.2), None, mini_batches=k,
-        epochs=epochs, rows_multiple=2)
+    loss = PolicyLossConfig(clip_ratio_high=0.2, loss_agg_mode=loss_agg_mode)
+    steps, metrics = policy_update_steps(actor, batch, loss, None, mini_batches=k,
+                                         epochs=epochs, rows_multiple=2)
     return {"steps": steps, "metrics": metrics, "optimizer_steps": actor.optimizer_steps}
+
+
+def worker_update(overrides: list[str], init: str) -> dict:
+    """One run step's update as the driver calls it: `TrainerWorker.update` with the recipe's
+    rl.* (mini-batches, TIS) and train.* (micro-batching) settings."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.trainer.worker import TrainerWorker
+
+    cfg = load_config(None, [*dist_cases.BASE, f"model.seq_length={SEQ}",
+                             "train.global_batch_size=4", *overrides])
+    worker = TrainerWorker(cfg, initial=init)
+    batch, _ = rollout_batch()
+    metrics = worker.update(batch, cfg.rl.loss.entropy_coef)
+    return {"metrics": metrics, "optimizer_steps": worker.actor.optimizer_steps,
+            "step": worker.actor.step}

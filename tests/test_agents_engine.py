@@ -21,7 +21,7 @@ from megatron_rl.engines.base import GenerateRequest, GenerateResult, SamplingPa
 from megatron_rl.engines.embedded import EmbeddedServer
 from megatron_rl.engines.http_client import HttpEngine
 from megatron_rl.records.trajectory import LABELS, Trajectory
-from tests.fakes import DEMO_PAGES, PARIS, DictSearch, DictVisit, ScriptedEngine
+from tests.fakes import DEMO_PAGES, PARIS, DictSearch, DictVisit, ScriptedEngine, agent_config
 from tests.fakes import tool_call_text as call
 from tests.test_agents_react import QUESTION, TOK, assert_chained
 from tests.test_engine_embedded import tiny_model
@@ -59,8 +59,8 @@ STOPS = list(range(100, 200))
 def config(seed: int = 0, stops: list[int] | None = None, **kw: Any) -> AgentConfig:
     sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=seed,
                               stop_token_ids=stops or [])
-    return AgentConfig(max_context_tokens=2048, max_continuations=3, max_turns=4,
-                       sampling=sampling, **kw)
+    return agent_config(max_context_tokens=2048, max_continuations=3, max_turns=4,
+                        sampling=sampling, **kw)
 
 
 def check_real_turns(traj: Trajectory) -> None:

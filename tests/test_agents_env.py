@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import re
 
-from megatron_rl.agents import AgentConfig, IterSynthAgent, ReActAgent
+from megatron_rl.agents import IterSynthAgent, ReActAgent
 from megatron_rl.data.world import BASE_URL, build_world_index, generate_world
 from megatron_rl.engines.base import SamplingParams
 from megatron_rl.env.search import LocalSearch
 from megatron_rl.env.visit import ExtractiveSummarizer, LocalPages, Visit
-from tests.fakes import ScriptedEngine
+from tests.fakes import ScriptedEngine, agent_config
 from tests.fakes import tool_call_text as call
 from tests.test_agents_react import TOK, assert_chained
 
@@ -39,8 +39,8 @@ def test_react_with_local_search_and_visit(tmp_path) -> None:
     q = next(q for q in world.questions(30, seed=1) if q.kind == "founder_birth_city")
     tools = [LocalSearch(index), Visit(LocalPages(index), ExtractiveSummarizer(max_chars=600))]
     engine = ScriptedEngine(TOK, two_hop_policy, weight_version=7)
-    agent = ReActAgent(TOK, tools, AgentConfig(max_context_tokens=16_384,
-                                               sampling=SamplingParams(max_new_tokens=512)))
+    agent = ReActAgent(TOK, tools, agent_config(max_context_tokens=16_384,
+                                                sampling=SamplingParams(max_new_tokens=512)))
     traj = asyncio.run(agent.run(q.question, q.answer, engine, group_id="g", uid="w"))
     assert traj.answer == q.answer and traj.labels == []
     visited = [c.arguments["url"] for t in traj.turns for c in t.tool_calls if c.name == "visit"]
@@ -49,7 +49,7 @@ def test_react_with_local_search_and_visit(tmp_path) -> None:
     # a visit of a page the corpus lacks is the environment's failure, shown to the model
     engine = ScriptedEngine(TOK, [call("visit", url=BASE_URL + "Nowhere"), "no notes",
                                   "<answer>x</answer>"])
-    traj = asyncio.run(IterSynthAgent(TOK, tools).run(q.question, None, engine, group_id="g",
-                                                       uid="x"))
+    traj = asyncio.run(IterSynthAgent(TOK, tools, agent_config()).run(
+        q.question, None, engine, group_id="g", uid="x"))
     assert traj.labels == ["visit_error"] and traj.roles == ["planner", "synthesizer", "planner"]
     assert "no page at" in traj.turns[0].tool_calls[0].observation

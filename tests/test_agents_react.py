@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from megatron_rl.agents import Agent, AgentConfig, ReActAgent, RetryAgent, for_eval
+from megatron_rl.agents import Agent, ReActAgent, RetryAgent, for_eval
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 from megatron_rl.engines.base import EngineError, SamplingParams
 from megatron_rl.env.base import ToolResult, tool_spec
@@ -19,6 +19,7 @@ from tests.fakes import (
     DictSearch,
     DictVisit,
     ScriptedEngine,
+    agent_config,
 )
 from tests.fakes import tool_call_text as call
 
@@ -55,7 +56,7 @@ def episode(script: list[str], tools: list[Any] | None = None, agent_cls: type =
     config.setdefault("sampling", SamplingParams(max_new_tokens=256))
     tools = tools if tools is not None else [DictSearch(INJECTED), DictVisit(INJECTED)]
     engine = ScriptedEngine(TOK, script, weight_version=7)
-    agent = agent_cls(TOK, tools, AgentConfig(**config))
+    agent = agent_cls(TOK, tools, agent_config(**config))
     return asyncio.run(agent.run(QUESTION, "Paris", engine, group_id="g0", uid="u0")), engine
 
 
@@ -86,7 +87,7 @@ def test_search_visit_answer_episode_is_one_token_exact_sequence() -> None:
     (seq,) = traj.sequences()
     assert seq.tokens.count(TOK.convert_tokens_to_ids("<|im_start|>")) == 7
     assert [r.rid for r in engine.requests] == ["u0/0", "u0/1", "u0/2"]
-    assert isinstance(ReActAgent(TOK, []), Agent)
+    assert isinstance(ReActAgent(TOK, [], agent_config()), Agent)
     assert Trajectory.from_dict(traj.to_dict()) == traj
 
 
@@ -209,7 +210,7 @@ def test_no_action_ends_the_episode_and_retry_restarts_it() -> None:
     traj, engine = episode(["I think it is Paris."])
     assert traj.answer is None and traj.labels == [] and len(engine.requests) == 1
     engine = ScriptedEngine(TOK, ["I think it is Paris.", call("search", query="paris"), ANSWER])
-    agent = RetryAgent(ReActAgent(TOK, [DictSearch(DEMO_PAGES)]), retries=2)
+    agent = RetryAgent(ReActAgent(TOK, [DictSearch(DEMO_PAGES)], agent_config()), retries=2)
     traj = asyncio.run(agent.run(QUESTION, None, engine, group_id="g", uid="u9"))
     assert traj.answer == "Paris" and traj.uid == "u9"
     assert traj.metadata["attempts"] == 2 and traj.metadata["failed_attempts"] == ["no_answer"]
@@ -217,7 +218,7 @@ def test_no_action_ends_the_episode_and_retry_restarts_it() -> None:
 
 
 def test_for_eval_switches_context_management_on_a_copy() -> None:
-    agent = ReActAgent(TOK, [])
+    agent = ReActAgent(TOK, [], agent_config())
     wrapped = for_eval(agent, retries=1)
     assert isinstance(wrapped, RetryAgent) and wrapped.agent.config.discard_all
     assert not agent.config.discard_all
@@ -227,9 +228,9 @@ def test_engine_failures_propagate_and_bad_configs_are_refused() -> None:
     with pytest.raises(EngineError, match="no reply left"):
         episode([call("search", query="a")])
     with pytest.raises(ValueError, match="leaves no room"):
-        AgentConfig(max_context_tokens=100, sampling=SamplingParams(max_new_tokens=100))
+        agent_config(max_context_tokens=100, sampling=SamplingParams(max_new_tokens=100))
     with pytest.raises(ValueError, match="max_turns=0"):
-        AgentConfig(max_turns=0)
+        agent_config(max_turns=0)
 
 
 def test_qwen3_5_calls_run_too_and_retry_keeps_the_data_chat() -> None:
@@ -245,7 +246,7 @@ def test_qwen3_5_calls_run_too_and_retry_keeps_the_data_chat() -> None:
     chat = [{"role": "system", "content": "Data system."}, {"role": "user", "content": QUESTION}]
     tools = [DictSearch(DEMO_PAGES)]
     engine = ScriptedEngine(TOK, ["I think it is Paris.", ANSWER])
-    agent = RetryAgent(ReActAgent(TOK, tools), retries=1)
+    agent = RetryAgent(ReActAgent(TOK, tools, agent_config()), retries=1)
     traj = asyncio.run(agent.run(QUESTION, None, engine, group_id="g", uid="u", messages=chat))
     assert traj.answer == "Paris" and traj.metadata["attempts"] == 2
     first = TOK.apply_chat_template(chat, tools=[tool_spec(t) for t in tools],

@@ -53,6 +53,9 @@ def test_ppo_clip_and_aggregation_modes(mode, loss_sum, count):
     assert out.token_metrics["pg_clipfrac"].item() == 2 and out.masked_tokens.item() == 5
     # ratios 1 + 1.5 + 0.5 + 0.5 + 2 = 5.5 over 5 tokens
     assert out.token_metrics["ratio"].item() == pytest.approx(5.5)
+    # ppo_kl is verl's k1, old - logp: -ln(1 * 1.5 * 0.5 * 0.5 * 2) = -ln 0.75 = 0.28768 over
+    # 5 tokens = 0.05754 (the k3 it was, e^-x + x - 1 per token, summed to 0.87899: 0.17580)
+    assert out.token_metrics["ppo_kl"].item() == pytest.approx(-LN(0.75))
     assert out.metrics["pg_loss"].item() == pytest.approx(loss_sum)  # as the loss
 
 
@@ -135,6 +138,12 @@ def test_loss_fn_reads_extras_and_tis_weights():
     out = make_policy_loss_fn(PolicyLossConfig(**PPO))(lp, torch.zeros(1, 3), batch)
     assert out.loss_sum.item() == pytest.approx(-3.45)
     assert out.num_tokens.item() == 3
+
+
+def test_config_defaults():
+    # verl's defaults: dual clip c = 3, DAPO clip-higher 0.28
+    cfg = PolicyLossConfig()
+    assert (cfg.clip_ratio_c, cfg.clip_ratio_low, cfg.clip_ratio_high) == (3.0, 0.2, 0.28)
 
 
 def test_config_validation():

@@ -8,12 +8,7 @@ import math
 
 import pytest
 
-from megatron_rl.algorithms.reward_managers import (
-    REWARD_MANAGERS,
-    intermediate_fact_turn_advantages,
-    needs,
-    turn_advantages,
-)
+from megatron_rl.algorithms.reward_managers import REWARD_MANAGERS, needs, turn_advantages
 from megatron_rl.data.world import generate_world
 from megatron_rl.records.trajectory import ToolCall, Trajectory, Turn
 from megatron_rl.rewards.process import contains, fact_recall, facts_by_turn, process_checks
@@ -172,11 +167,15 @@ def test_intermediate_fact_advantages():
 def test_intermediate_fact_per_turn_crediting():
     # turn reward = outcome + 0.5 * (new facts) / 2:
     #   P [1.25, 1.25, 1.0], Q [0.25, 0.0], R [0.0]; one (g, agent) pool, mean 3.75 / 6 = 0.625
-    group = _fact_group()
-    shape_rewards(group, needs=("facts",))
-    adv = intermediate_fact_turn_advantages(group, estimator="dr_grpo")
+    adv, m = _adv("intermediate_fact_turn", _fact_group(), estimator="dr_grpo")
+    assert needs("intermediate_fact_turn") == ("facts",)
     assert adv == [_approx([0.625, 0.625, 0.375]), _approx([-0.375, -0.625]),
                    _approx([-0.625])]
+    # recall P 1, Q 0.5, R 0; the pool's turn rewards: mean 0.625, deviations 0.625 (x4),
+    # 0.375 (x2) in size
+    assert m["reward/fact_recall"] == pytest.approx(0.5)
+    assert m["reward/agent_mean"] == pytest.approx(0.625)
+    assert m["reward/agent_std"] == pytest.approx(math.sqrt((4 * 0.625**2 + 2 * 0.375**2) / 6))
 
 
 # -- exclusion -------------------------------------------------------------------------------

@@ -24,9 +24,10 @@ from safetensors.torch import load_file
 from megatron_rl.engines.base import EngineError, GenerateRequest, SamplingParams
 from megatron_rl.engines.embedded import EmbeddedServer
 from megatron_rl.engines.http_client import HttpEngine
-from megatron_rl.engines.sglang_schema import TypeChecker, load_fixture
+from megatron_rl.engines.sglang_schema import TypeChecker
 from megatron_rl.engines.tensors import encode_safetensors
 from megatron_rl.models.registry import get_model_spec
+from tests.sglang_fixtures import load_fixture
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [301, 4, 88], [12, 250, 251, 9, 10]]
 TOL = 1e-5

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from megatron_rl.agents import AgentConfig, IterSynthAgent, ReActAgent
+from megatron_rl.agents import IterSynthAgent, ReActAgent
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 from megatron_rl.agents.tool_parser import MAX_ARGUMENT_CHARS, MAX_ARGUMENT_DEPTH, parse_action
 from megatron_rl.engines.base import SamplingParams
 from megatron_rl.records.trajectory import Trajectory
 from megatron_rl.rollout.forest import RolloutForest
-from tests.fakes import DEMO_PAGES, PARIS, DictSearch, DictVisit, ScriptedEngine
+from tests.fakes import DEMO_PAGES, PARIS, DictSearch, DictVisit, ScriptedEngine, agent_config
 from tests.fakes import tool_call_text as call
 
 TOK = tiny_qwen3_tokenizer()
@@ -44,7 +44,7 @@ def run(agent_cls: type, script: list[str], pages: dict[str, tuple[str, str]] | 
     config.setdefault("max_context_tokens", 16_384)
     config.setdefault("sampling", SamplingParams(max_new_tokens=8192))  # one message, one turn
     pages = pages if pages is not None else DEMO_PAGES
-    agent = agent_cls(TOK, [DictSearch(pages), DictVisit(pages)], AgentConfig(**config))
+    agent = agent_cls(TOK, [DictSearch(pages), DictVisit(pages)], agent_config(**config))
     forest = RolloutForest()
     nodes = [forest.root("g0")]
 
@@ -72,8 +72,8 @@ def assert_writable(traj: Trajectory, forest: RolloutForest, nodes: list[int]) -
 def test_500_deep_arguments_are_a_labelled_parse_error_the_run_can_write(agent_cls) -> None:
     deep = call("search", query=nested(500))
     assert 7_000 < len(deep) < 16_384  # within the block limit: the parser has to judge it
-    assert AgentConfig().degenerate_check is not None
-    assert not AgentConfig().degenerate_check(deep)  # the check does not end the episode
+    assert agent_config().degenerate_check is not None
+    assert not agent_config().degenerate_check(deep)  # the check does not end the episode
     script = ([deep, "notes: nothing yet", ANSWER] if agent_cls is IterSynthAgent
               else [deep, ANSWER])
     traj, forest, nodes = run(agent_cls, script)
@@ -187,8 +187,8 @@ def test_arguments_longer_than_the_limit_are_labelled() -> None:
 ])
 def test_a_page_of_special_tokens_is_clipped_in_fed_tokens_not_overlong(page: str) -> None:
     pages = {**DEMO_PAGES, PARIS: ("Paris", page)}
-    cfg = AgentConfig(max_context_tokens=8192, sampling=SamplingParams(max_new_tokens=256))
-    assert cfg.max_observation_tokens == 2048  # the default limit
+    cfg = agent_config(max_context_tokens=8192, sampling=SamplingParams(max_new_tokens=256))
+    assert cfg.limits.max_observation_tokens == 2048  # the default limit (rl.agent_limits)
     traj, _, _ = run(ReActAgent, [call("visit", url=PARIS), ANSWER], pages,
                      max_context_tokens=cfg.max_context_tokens, sampling=cfg.sampling)
     agent = ReActAgent(TOK, [], cfg)
@@ -196,7 +196,7 @@ def test_a_page_of_special_tokens_is_clipped_in_fed_tokens_not_overlong(page: st
     wrapper = len(chat.observation_ids([chat.im_end_id], [""]))
     assert len(chat.encode(chat.escape(page))) > 4 * 2048  # escaping multiplies the tokens
     obs = traj.turns[0].observation_ids
-    assert wrapper < len(obs) <= cfg.max_observation_tokens + wrapper
+    assert wrapper < len(obs) <= cfg.limits.max_observation_tokens + wrapper
     assert TOK.decode(obs).endswith("…[truncated]\n</tool_response><|im_end|>\n"
                                     "<|im_start|>assistant\n")
     # the only special ids are our markup: one tool response in one user turn

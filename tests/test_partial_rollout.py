@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from megatron_rl.agents import AgentConfig, IterSynthAgent, ReActAgent
+from megatron_rl.agents import IterSynthAgent, ReActAgent
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 from megatron_rl.engines.base import SamplingParams
 from megatron_rl.records.prompt import Prompt
@@ -17,7 +17,7 @@ from megatron_rl.rewards.composite import score_group
 from megatron_rl.rewards.rule import RuleJudge
 from megatron_rl.rollout.forest import RolloutForest
 from megatron_rl.rollout.scheduler import RolloutScheduler, SchedulerConfig
-from tests.fakes import DEMO_PAGES, DictSearch, DictVisit, ScriptedEngine
+from tests.fakes import DEMO_PAGES, DictSearch, DictVisit, ScriptedEngine, agent_config
 from tests.fakes import tool_call_text as call
 
 TOK = tiny_qwen3_tokenizer()
@@ -58,7 +58,7 @@ class GateEngine(ScriptedEngine):
 
 def _scheduler(partial: bool, agent_cls=ReActAgent) -> RolloutScheduler:
     agent = agent_cls(TOK, [DictSearch(DEMO_PAGES), DictVisit(DEMO_PAGES)],
-                      AgentConfig(max_turns=6, sampling=SamplingParams(max_new_tokens=64)))
+                      agent_config(max_turns=6, sampling=SamplingParams(max_new_tokens=64)))
     prompts = iter([Prompt("long 1", "Paris", "p0"), Prompt("quick 2", "Paris", "p1")])
     judge = RuleJudge()
     return RolloutScheduler(agent, GateEngine(TOK), prompts, lambda g: score_group(g, judge),

@@ -3,6 +3,8 @@ and it moves probability the way the advantages say."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests import dist_cases, rl_cases
@@ -63,7 +65,9 @@ def test_clip_binds_on_the_second_mini_batch(reference):
     # the old log-probs are the weights that take the first step: ratio exactly 1
     assert first["ratio"] == 1.0 and first["pg_clipfrac"] == 0.0 and first["ppo_kl"] == 0.0
     # the second sees how far the first moved the policy, and the clip binds
-    assert second["ratio"] != 1.0 and second["pg_clipfrac"] > 0 and second["ppo_kl"] > 0
+    assert second["ratio"] != 1.0 and second["pg_clipfrac"] > 0 and second["ppo_kl"] != 0
+    # ppo_kl is verl's k1, mean(old - logp): Jensen bounds the mean ratio by exp(-ppo_kl)
+    assert second["ratio"] >= math.exp(-second["ppo_kl"])
     assert first["num_tokens"] + second["num_tokens"] == 12 + 14 + 16 + 18
 
 
@@ -72,3 +76,32 @@ def test_ppo_epochs_repeat_the_mini_batches(reference):
     got = get_pool(1).run(rl_cases.mini_batch_steps, [], init, 2, 2)[0]
     assert got["optimizer_steps"] == 4 and len(got["steps"]) == 4
     assert [s["num_tokens"] for s in got["steps"]] == [26, 34, 26, 34]  # rows (0, 1), (2, 3)
+
+
+def test_token_metrics_are_token_means_in_a_seq_mode(reference):
+    # seq-mean-token-sum: the loss count is rows (2 per mini-batch), the token metrics are
+    # still divided by the trained tokens (26, then 34)
+    init, _ = reference
+    got = get_pool(1).run(rl_cases.mini_batch_steps, ["optim.lr=0.05"], init, 2, 1,
+                          "seq-mean-token-sum")[0]
+    first, second = got["steps"]
+    print(f"\nseq-mean-token-sum: {first}\n{second}")
+    assert first["num_tokens"] == second["num_tokens"] == 2  # rows, not tokens
+    assert first["ratio"] == 1.0 and first["pg_clipfrac"] == 0.0 and first["ppo_kl"] == 0.0
+    assert 0.0 <= second["pg_clipfrac"] <= 1.0 and 0.0 <= second["pg_clipfrac_lower"] <= 1.0
+    assert second["ratio"] == pytest.approx(1.0, abs=0.5)  # a mean ratio, not a sum per row
+
+
+def test_the_worker_takes_the_recipes_mini_batches_with_token_budget(reference):
+    # rl.mini_batches_per_step=2 through TrainerWorker.update; a 32-token budget holds one
+    # row (20-26 tokens) per micro-batch, so each mini-batch runs 2 micro-batches
+    init, _ = reference
+    got = get_pool(1).run(rl_cases.worker_update, ["rl.mini_batches_per_step=2",
+                                                   "train.max_tokens_per_microbatch=32"],
+                          init)[0]
+    m = got["metrics"]
+    print(f"\nworker update: {m}")
+    assert got["optimizer_steps"] == 2 and m["optimizer_steps"] == 2.0
+    assert got["step"] == 1 and m["step"] == 1.0
+    assert m["num_tokens"] == 12 + 14 + 16 + 18  # summed over the two mini-batches
+    assert m["mismatch/rollout_is_mean"] > 0  # TIS (rl.tis) computed once, on the whole batch

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.agents import AgentConfig, ReActAgent
+from megatron_rl.agents import ReActAgent
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 from megatron_rl.algorithms.rdpo import SequenceAdvantages
 from megatron_rl.checkpoint.convert import export_hf
@@ -29,6 +29,7 @@ from megatron_rl.records.batch import ROLLOUT_LOGPROBS, ROUTED_EXPERTS
 from megatron_rl.records.trajectory import Trajectory, Turn
 from megatron_rl.trainer.batching import build_batch
 from tests import dist_cases, routing_cases
+from tests.fakes import agent_config
 from tests.pools import get_pool
 
 TOL = 1e-5
@@ -158,7 +159,7 @@ def test_two_ranks_replay_like_one(layout, reference):
 
 def _rollout_batch(url: str, episodes: int = 2):
     tok = tiny_qwen3_tokenizer(vocab_size=get_model_spec("tiny-moe").vocab_size)
-    agent = ReActAgent(tok, [], AgentConfig(
+    agent = ReActAgent(tok, [], agent_config(
         max_turns=1, max_context_tokens=E2E_SEQ, max_continuations=2, degenerate_check=None,
         sampling=SamplingParams(max_new_tokens=8), return_routed_experts=True),
         system_prompt="Answer.")

@@ -7,14 +7,14 @@ import asyncio
 import collections
 import re
 
-from megatron_rl.agents import AgentConfig, ReActAgent
+from megatron_rl.agents import ReActAgent
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 from megatron_rl.engines.base import SamplingParams
 from megatron_rl.records.prompt import Prompt
 from megatron_rl.rewards.composite import score_group
 from megatron_rl.rewards.rule import RuleJudge
 from megatron_rl.rollout.scheduler import RolloutScheduler, SchedulerConfig
-from tests.fakes import DEMO_PAGES, DictSearch, DictVisit, ScriptedEngine
+from tests.fakes import DEMO_PAGES, DictSearch, DictVisit, ScriptedEngine, agent_config
 
 TOK = tiny_qwen3_tokenizer()
 
@@ -42,7 +42,7 @@ class SlowEngine(ScriptedEngine):
 
 def _scheduler(questions, config, engine_cls=ScriptedEngine):
     agent = ReActAgent(TOK, [DictSearch(DEMO_PAGES), DictVisit(DEMO_PAGES)],
-                       AgentConfig(sampling=SamplingParams(max_new_tokens=64)))
+                       agent_config(sampling=SamplingParams(max_new_tokens=64)))
     prompts = iter([Prompt(q, "Paris", f"p{i}") for i, q in enumerate(questions)])
     judge = RuleJudge()
     return RolloutScheduler(agent, engine_cls(TOK, Policy()), prompts,

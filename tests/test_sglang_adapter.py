@@ -17,10 +17,9 @@ from megatron_rl.engines.sglang import (
     ServerProcess,
     SGLangConfig,
     SGLangNotInstalled,
-    SGLangRouterConfig,
     require_module,
 )
-from megatron_rl.engines.sglang_schema import load_fixture
+from tests.sglang_fixtures import load_fixture
 
 SERVER = load_fixture("server")
 
@@ -68,22 +67,11 @@ def test_defaults_and_extra_flags() -> None:
     assert full_config().environment() == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 
-def test_router_command_uses_real_router_flags() -> None:
-    cfg = SGLangRouterConfig(worker_urls=["http://10.0.0.1:30000", "http://10.0.0.2:30000"],
-                             port=30100, policy="cache_aware", log_level="info")
-    cmd = cfg.command()
-    assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
-    assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3] == cfg.worker_urls
-    assert set(flags(cmd)) <= set(SERVER["router"]["flags"]), SERVER["router"]["version"]
-
-
 def test_config_checks() -> None:
     with pytest.raises(ValueError, match="ep_size=3 must divide tp_size=4"):
         SGLangConfig(model_path="m", tp_size=4, ep_size=3)
     with pytest.raises(ValueError, match="mem_fraction_static"):
         SGLangConfig(model_path="m", mem_fraction_static=1.5)
-    with pytest.raises(ValueError, match="worker_urls"):
-        SGLangRouterConfig(worker_urls=[])
 
 
 def test_engine_for_sglang_sends_ipc_payloads_per_tp_rank() -> None:

@@ -30,17 +30,14 @@ from megatron_rl.engines.base import (
     SamplingParams,
 )
 from megatron_rl.engines.http_client import HttpEngine
-from megatron_rl.engines.sglang_schema import (
-    TypeChecker,
-    load_fixture,
-    validate_body,
-)
+from megatron_rl.engines.sglang_schema import TypeChecker
 from megatron_rl.engines.tensors import (
     decode_safetensors,
     encode_safetensors,
     encode_torch_ipc,
     is_safetensors,
 )
+from tests.sglang_fixtures import load_fixture, validate_body
 
 IO = load_fixture("io_struct")
 SERVER = load_fixture("server")

@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 from megatron_rl.agents.chat import ChatFormat
 from megatron_rl.agents.formats import CHOICES as CHAT_FORMATS
 from megatron_rl.agents.tool_parser import Action, parse_action, visible_text
+from megatron_rl.config.schema import AgentLimitsConfig
 from megatron_rl.engines.base import (
     EngineError,
     GenerateRequest,
@@ -45,14 +46,15 @@ def is_degenerate(text: str, min_chars: int = 400, max_ratio: float = 0.1) -> bo
 
 @dataclass
 class AgentConfig:
-    max_turns: int = 8                    # assistant messages (ReAct) / planner steps (IterSynth)
-    max_context_tokens: int = 32_768      # a context must leave room for one full response
-    max_tool_calls_per_turn: int = 4      # calls past it are not run (excess_tool_calls)
-    max_tool_calls: int = 24              # per episode; past it the episode ends
-    max_continuations: int = 2            # outputs cut by length resumed per message
-    max_observation_tokens: int = 2_048   # one tool result, clipped
-    tool_timeout_s: float = 120.0
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """What an agent is built with. The run's values come from the schema and have no default
+    here: `max_turns` (rl.max_turns), `max_context_tokens` (model.seq_length), `sampling`
+    (rl.temperature, rl.max_new_tokens) and `limits`, the `rl.agent_limits` section itself
+    (`tasks.base.agent_config`). The rest is not part of a recipe."""
+
+    max_turns: int                        # assistant messages (ReAct) / planner steps (IterSynth)
+    max_context_tokens: int               # a context must leave room for one full response
+    sampling: SamplingParams
+    limits: AgentLimitsConfig = field(default_factory=AgentLimitsConfig)
     # True for a degenerate message text; None switches the check off
     degenerate_check: Callable[[str], bool] | None = is_degenerate
     discard_all: bool = False             # eval only: on overflow restart from the question
@@ -65,12 +67,9 @@ class AgentConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_context_tokens", "max_tool_calls_per_turn",
-                     "max_tool_calls", "max_observation_tokens"):
+        for name in ("max_turns", "max_context_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AgentConfig.{name}={getattr(self, name)} must be >= 1")
-        if self.max_continuations < 0 or self.tool_timeout_s <= 0:
-            raise ValueError("max_continuations must be >= 0 and tool_timeout_s > 0")
         if self.sampling.max_new_tokens < 1:
             raise ValueError("sampling.max_new_tokens must be >= 1")
         if self.sampling.max_new_tokens >= self.max_context_tokens:
@@ -131,8 +130,8 @@ class Message:
 class BaseAgent:
     """Shared episode steps: generate one message, parse it, run its tool calls."""
 
-    def __init__(self, tokenizer: Any, tools: Sequence[Tool], config: AgentConfig | None = None):
-        self.config = config or AgentConfig()
+    def __init__(self, tokenizer: Any, tools: Sequence[Tool], config: AgentConfig):
+        self.config = config
         self.chat = ChatFormat(tokenizer, chat_template_kwargs=self.config.chat_template_kwargs,
                                family=self.config.chat_format)
         self.tools: dict[str, Tool] = {t.name: t for t in tools}
@@ -203,7 +202,7 @@ class BaseAgent:
                     raise EngineError(f"request {rid} aborted {aborts} times")
             else:
                 cuts += 1
-                if cuts > cfg.max_continuations:  # longer than any response may be
+                if cuts > cfg.limits.max_continuations:  # longer than any response may be
                     traj.add_label("response_too_long", turn)
                     return Message(turns, out, text, True)
             context = context + list(res.output_ids)
@@ -241,7 +240,7 @@ class BaseAgent:
     def budget_calls(self, traj: Trajectory, calls: list[ToolCall]) -> bool:
         """Mark valid calls past the per-turn and per-episode budgets as not run. False when the
         episode's budget was exceeded (the episode ends after this turn)."""
-        cfg = self.config
+        cfg = self.config.limits
         used = traj.metadata.get("tool_calls", 0)
         valid = [c for c in calls if c.error is None]
         left = cfg.max_tool_calls - used
@@ -264,7 +263,7 @@ class BaseAgent:
 
     async def _run_one(self, call: ToolCall) -> None:
         tool = self.tools[call.name]
-        timeout = self.config.tool_timeout_s
+        timeout = self.config.limits.tool_timeout_s
         try:
             result = await asyncio.wait_for(tool(**call.arguments), timeout)
         except TimeoutError:

@@ -40,8 +40,8 @@ NO_NOTES = "(no notes yet)"
 
 
 class IterSynthAgent(BaseAgent):
-    def __init__(self, tokenizer: Any, tools: Sequence[Tool], config: AgentConfig | None = None,
-                 *, planner_prompt: str = PLANNER_PROMPT,
+    def __init__(self, tokenizer: Any, tools: Sequence[Tool], config: AgentConfig, *,
+                 planner_prompt: str = PLANNER_PROMPT,
                  synthesizer_prompt: str = SYNTHESIZER_PROMPT):
         super().__init__(tokenizer, tools, config)
         self.planner_prompt = planner_prompt
@@ -67,7 +67,7 @@ class IterSynthAgent(BaseAgent):
         return msgs
 
     def synthesizer_context(self, question: str, summary: str, calls: list[ToolCall]) -> list[int]:
-        safe, limit = self.chat.safe_text, self.config.max_observation_tokens
+        safe, limit = self.chat.safe_text, self.config.limits.max_observation_tokens
         evidence = "\n".join(
             f"[{i}] {safe(c.name)} {safe(json.dumps(c.arguments, ensure_ascii=False))}\n"
             f"<tool_response>\n{safe(c.observation, limit)}\n</tool_response>"

@@ -26,8 +26,8 @@ REACT_SYSTEM_PROMPT = (
 class ReActAgent(BaseAgent):
     role = "agent"
 
-    def __init__(self, tokenizer: Any, tools: Sequence[Tool], config: AgentConfig | None = None,
-                 *, system_prompt: str = REACT_SYSTEM_PROMPT):
+    def __init__(self, tokenizer: Any, tools: Sequence[Tool], config: AgentConfig, *,
+                 system_prompt: str = REACT_SYSTEM_PROMPT):
         super().__init__(tokenizer, tools, config)
         self.system_prompt = system_prompt
 
@@ -52,7 +52,7 @@ class ReActAgent(BaseAgent):
             calls, within_budget = acted
             last = msg.turns[-1]
             last.observation_ids = self.chat.observation_ids(
-                msg.output_ids, [c.observation for c in calls], cfg.max_observation_tokens)
+                msg.output_ids, [c.observation for c in calls], cfg.limits.max_observation_tokens)
             if not within_budget:
                 break
             context = last.context_ids + last.output_ids + last.observation_ids

@@ -97,8 +97,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     pg = torch.maximum(pg_unclipped, pg_clipped)
     token_metrics = {"pg_clipfrac": (pg_clipped > pg_unclipped).to(pg.dtype),
                      "ratio": ratio.detach(),
-                     # k3 of the policy against the rollout-time policy: how far it moved
-                     "ppo_kl": kl_penalty(logprobs.detach(), old_logprobs, "k3")}
+                     # verl's: k1 of the old (rollout-time) policy against this one,
+                     # mean(old - logp), so it can be negative
+                     "ppo_kl": kl_penalty(old_logprobs, logprobs.detach(), "k1")}
     if cfg.clip_ratio_c and cfg.ratio_level == "token":
         bound = -adv * cfg.clip_ratio_c
         negative = adv < 0

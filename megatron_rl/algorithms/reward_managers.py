@@ -9,6 +9,7 @@ per-turn advantages (None = not trained) and metrics for one batch of groups.
 | `pipeline_outcome` | per turn: w_outcome * outcome | (group, role) turn pools |
 | `c_grpo` | w_outcome * outcome + w_process * process | the group's trajectories |
 | `intermediate_fact` | w_outcome * outcome + w_fact * fact recall | the group's trajectories |
+| `intermediate_fact_turn` | per turn: w_outcome * outcome + w_fact * fact_k | (group, role) pools |
 
 The normaliser is any estimator of `advantages.py` (grpo, dr_grpo, rloo); a trajectory-level
 advantage is broadcast to every turn. Exclusion follows `trajectory_flags` for every manager:
@@ -18,9 +19,8 @@ gives it None.
 
 C-GRPO's process score and the intermediate-fact recall are rewards, written on the
 trajectories by `rewards/process.py` (the driver runs the writers a manager lists in `needs`);
-the managers here only normalise them. Per-turn fact variant
-(`intermediate_fact_turn_advantages`, not registered): turn k's reward is w_outcome * outcome +
-w_fact * turn.rewards["fact"] (the share of facts it surfaced first), pooled by (group, role).
+the managers here only normalise them. In the per-turn fact variant, fact_k =
+turn.rewards["fact"] is the share of the facts turn k surfaced first.
 
 Add a manager with `@REWARD_MANAGERS.register("name")` (or name a function by import path in
 `rl.reward_manager`): `fn(trajectories, *, estimator, exclude_max_turns_from_loss,
@@ -31,7 +31,7 @@ with an optional `needs` attribute naming the reward writers it reads (`REWARD_W
 Metrics: `adv/excluded_fraction`, `adv/masked_fraction` (per trajectory), and over the turns
 of counted trajectories `reward/<role>_mean` and `reward/<role>_std` (population std) of the
 reward each turn was normalised with; c_grpo adds `reward/process_mean` and the three checks'
-means, intermediate_fact adds `reward/fact_recall`.
+means, intermediate_fact and intermediate_fact_turn add `reward/fact_recall`.
 """
 
 from __future__ import annotations
@@ -56,27 +56,6 @@ def reward_manager(name: str, needs: tuple[str, ...] = ()) -> Callable[[Any], An
         fn.needs = needs
         return REWARD_MANAGERS.register(name)(fn)
     return add
-
-
-def intermediate_fact_turn_advantages(trajectories: Sequence[Trajectory], *,
-                                      outcome_weight: float = 1.0, fact_weight: float = 0.5,
-                                      estimator: Estimator = "grpo",
-                                      exclude_max_turns_from_loss: bool = False
-                                      ) -> list[TurnAdvantages]:
-    """The per-turn variant: each turn credited with the facts it surfaced first (needs the
-    `facts` writer)."""
-    in_stats, in_loss = trajectory_flags(trajectories, "outcome", exclude_max_turns_from_loss)
-    values, keys, include = [], [], []
-    for traj, counted in zip(trajectories, in_stats, strict=True):
-        base = outcome_weight * traj.rewards["outcome"] if counted else 0.0
-        for turn in traj.turns:
-            fact = turn.rewards.get("fact", 0.0) if counted else 0.0
-            values.append(base + fact_weight * fact)
-            keys.append((traj.group_id, turn.role))
-            include.append(counted)
-    flat = iter(group_normalize(values, keys, include, estimator=estimator))
-    return [[a if trained else None for a in [next(flat) for _ in t.turns]]
-            for t, trained in zip(trajectories, in_loss, strict=True)]
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -192,6 +171,34 @@ def intermediate_fact(trajectories: Sequence[Trajectory], *, estimator: Estimato
     metrics["reward/fact_recall"] = _mean([r for r in recall if r is not None])
     return _trajectory_level(trajectories, bonus, in_stats, in_loss, metrics,
                              estimator=estimator, outcome_weight=outcome_weight)
+
+
+@reward_manager("intermediate_fact_turn", needs=("facts",))
+def intermediate_fact_turn(trajectories: Sequence[Trajectory], *,
+                           estimator: Estimator = "grpo",
+                           exclude_max_turns_from_loss: bool = False,
+                           outcome_weight: float = 1.0, fact_weight: float = 0.5,
+                           **_: Any) -> Result:
+    """Per turn: w_outcome * outcome + w_fact * the share of facts the turn surfaced first
+    (`turn.rewards["fact"]`), normalised per (group, role)."""
+    in_stats, in_loss, metrics = _exclusion(trajectories, exclude_max_turns_from_loss)
+    turn_values: list[list[float] | None] = []
+    values, keys, include = [], [], []
+    for traj, counted in zip(trajectories, in_stats, strict=True):
+        base = outcome_weight * traj.rewards["outcome"] if counted else 0.0
+        rs = [base + fact_weight * turn.rewards.get("fact", 0.0) if counted else 0.0
+              for turn in traj.turns]
+        turn_values.append(rs if counted else None)
+        values += rs
+        keys += [(traj.group_id, turn.role) for turn in traj.turns]
+        include += [counted] * len(traj.turns)
+    flat = iter(group_normalize(values, keys, include, estimator=estimator))
+    adv = [[a if trained else None for a in [next(flat) for _ in t.turns]]
+           for t, trained in zip(trajectories, in_loss, strict=True)]
+    recall = [t.rewards.get("fact_recall") for t, s in zip(trajectories, in_stats, strict=True)
+              if s]
+    metrics["reward/fact_recall"] = _mean([r for r in recall if r is not None])
+    return adv, {**metrics, **_role_metrics(trajectories, turn_values)}
 
 
 def turn_advantages(name: str, trajectories: Sequence[Trajectory], **kw: Any) -> Result:

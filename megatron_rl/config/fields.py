@@ -12,7 +12,7 @@ import typing
 from dataclasses import field
 from typing import Any
 
-from megatron_rl.utils.registry import REGISTRIES, RegistryError
+from megatron_rl.utils.registry import RegistryError, registry_of
 
 
 def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
@@ -129,7 +129,7 @@ def check_bounds(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
     if value is None:
         return
     if "registry" in meta:
-        _check_registered(name, value, meta["registry"])
+        check_registered(name, value, meta["registry"])
         return
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{name}={value!r}: must be a finite number")
@@ -145,10 +145,12 @@ def check_bounds(name: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
         raise ConfigError(f"{name}={value!r}: must be < {meta['lt']}")
 
 
-def _check_registered(name: str, value: Any, kind: str) -> None:
-    """Names of a registry the role's package created (the driver and CLI import them all);
-    before that, any non-empty name passes here and is checked when it is resolved."""
-    registry = REGISTRIES.get(kind)
+def check_registered(name: str, value: Any, kind: str) -> None:
+    """A name (or list of names) of the `kind` registry, or an import path (checked when it is
+    resolved). `registry_of` imports the registries first if this process has not (the
+    package root names the module that creates them), so the check does not depend on what
+    was imported before the config was loaded."""
+    registry = registry_of(kind)
     for i, item in enumerate(value if isinstance(value, (list, tuple)) else [value]):
         where = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
         if not isinstance(item, str) or not item:

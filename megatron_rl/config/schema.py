@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from megatron_rl.config.fields import ConfigError, bounded, check_bounds, from_dict
+from megatron_rl.config.fields import (
+    ConfigError,
+    bounded,
+    check_bounds,
+    check_registered,
+    from_dict,
+)
+from megatron_rl.config.prompt_template import load_template
 
 
 @dataclass
@@ -87,7 +94,8 @@ class CheckpointConfig:
                                     "optimizer and data cursor; checkpoint.load wins")
     keep_last: int = bounded(2, ge=1)
     export_hf_every: int = bounded(0, ge=0, help="also write an HF folder (weights, tokenizer, "
-                                   "chat template) every N saved steps; 0 = off")
+                                   "chat template) every N steps, whatever save_every (such a "
+                                   "step also saves the checkpoint it is written from); 0 = off")
     export_hf: bool = bounded(False, help="write an HF folder of the final step "
                               "(<output_dir>/hf/step_N)")
     verify: str = bounded("crc32", choices=("size", "crc32"),
@@ -103,6 +111,14 @@ class DataConfig:
     val_files: tuple[str, ...] = bounded((), help="held-out prompts for rl.eval_every")
     curriculum: str = bounded("none", choices=("none", "bucket"),
                               help="bucket: walk extra_info.bucket (or .difficulty) in order")
+    prompt_template: str | None = bounded(
+        None, help="the chat the model starts from: a template NAME (configs/prompts/agents/"
+        "NAME.yaml) or a YAML path rendering each prompt's {question} (config/prompt_template.py)"
+        "; None = the data's own chat, else the agent's built-in prompt")
+
+    def __post_init__(self) -> None:
+        if self.prompt_template is not None:  # a missing file or bad placeholder fails at load
+            load_template(self.prompt_template)
 
 
 @dataclass
@@ -441,6 +457,23 @@ class EntropyControlConfig:
 
 
 @dataclass
+class AgentLimitsConfig:
+    """`rl.agent_limits`: an episode's limits besides `rl.max_turns` (`AgentConfig.limits`,
+    agents/base.py)."""
+
+    max_tool_calls_per_turn: int = bounded(4, ge=1, help="calls past it are not run "
+                                           "(excess_tool_calls)")
+    max_tool_calls: int = bounded(24, ge=1, help="per episode; past it the episode ends")
+    max_continuations: int = bounded(2, ge=0, help="outputs cut by length resumed per message")
+    max_observation_tokens: int = bounded(2048, ge=1, help="one tool result, clipped")
+    tool_timeout_s: float = bounded(120.0, gt=0.0)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_bounds(f"rl.agent_limits.{f.name}", getattr(self, f.name), f.metadata)
+
+
+@dataclass
 class RLConfig:
     """The RL job: the task and its agent, how rollouts are grouped and rewarded, the update."""
 
@@ -452,7 +485,9 @@ class RLConfig:
     world_docs: int = bounded(300, ge=30, help="pages of the generated world (embedded default)")
     tools: tuple[str, ...] = bounded(("search", "visit"), registry="tool",
                                      help="the search task's tools, by name or module:attr")
-    max_turns: int = bounded(3, ge=1)
+    max_turns: int = bounded(3, ge=1, help="assistant messages (ReAct) / planner steps "
+                             "(IterSynth)")
+    agent_limits: AgentLimitsConfig = field(default_factory=AgentLimitsConfig)
     max_new_tokens: int = bounded(24, ge=1, help="per engine call")
     temperature: float = bounded(1.0, ge=0.0)
     sampling: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -480,6 +515,13 @@ class RLConfig:
     eval_every: int = bounded(0, ge=0, help="steps between held-out evaluations; 0 = off")
     eval_prompts: int = bounded(8, ge=1)
     loggers: tuple[str, ...] = bounded((), help="extra metric sinks: tensorboard, wandb")
+
+    def __post_init__(self) -> None:
+        # only `kind` here: the spec's other keys are the judge's keywords, checked when built
+        for name in ("judge", "rubric"):
+            spec = getattr(self, name)
+            if "kind" in spec:
+                check_registered(f"rl.{name}.kind", spec["kind"], name)
 
 
 @dataclass
@@ -511,9 +553,6 @@ class Config:
         if (ck.export_hf_every or ck.export_hf) and not ck.dir:
             raise ConfigError("checkpoint.export_hf: exports are written from checkpoints; "
                               "set checkpoint.dir")
-        if ck.export_hf_every and ck.save_every and ck.export_hf_every % ck.save_every:
-            raise ConfigError(f"checkpoint.export_hf_every={ck.export_hf_every}: a multiple of "
-                              f"checkpoint.save_every={ck.save_every} (exports read checkpoints)")
         ro = self.rollout
         served = ro.model_path or self.model.hf_path  # engines serve the policy's folder
         if ro.engine == "sglang" and served is None:

@@ -90,11 +90,6 @@ def row_format(row: Any, where: str) -> str:
                     f"(got {keys}); set sft.format to say which")
 
 
-def trajectory_sequences(row: Any, where: str) -> list[tuple[list[int], list[int]]]:
-    """A trajectory row → its training sequences' (tokens, loss mask)."""
-    return [(tokens, mask) for tokens, mask, _ in _trajectory_parts(row, where)]
-
-
 def _trajectory_parts(row: Any, where: str) -> list[tuple[list[int], list[int], list[bool]]]:
     """(tokens, loss mask, generated): `generated` marks the policy's own tokens, trained or
     masked; the rest (prompt, observations) is context."""
@@ -147,12 +142,6 @@ def _chat(row: Any, where: str) -> tuple[list[dict[str, Any]], list[Any] | None]
 
 def _trained(message: dict[str, Any]) -> bool:
     return message["role"] == "assistant" and bool(message.get("loss_mask", 1))
-
-
-def render_messages(tokenizer: Any, row: Any, where: str) -> tuple[list[int], list[int]]:
-    """A chat row → (token ids of the rendered chat, loss mask on assistant tokens)."""
-    full, mask, _ = _render_parts(tokenizer, row, where)
-    return full, mask
 
 
 def _render_parts(tokenizer: Any, row: Any, where: str

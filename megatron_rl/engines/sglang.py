@@ -1,7 +1,7 @@
-"""The SGLang adapter: server and router command lines from typed configs, and a supervisor.
+"""The SGLang adapter: server command lines from a typed config, and a supervisor.
 
-Every flag emitted here exists in SGLang 0.5.23's `ServerArgs` / sglang-router 0.3.2's
-`RouterArgs` (pinned by tests/test_sglang_contract.py against the released source). SGLang
+Every flag emitted here exists in SGLang 0.5.23's `ServerArgs` (pinned by
+tests/test_sglang_contract.py against the released source). SGLang
 itself is imported by nothing here: it runs in its own process, needs a GPU, and is installed
 with `pip install -e .[sglang]` on a GPU machine. The client side is `HttpEngine`
 (`SGLangConfig.engine()` configures it for SGLang's torch-IPC weight payloads).
@@ -136,40 +136,6 @@ class SGLangConfig:
         kw.setdefault("num_tp_payloads", self.tp_size)
         kw.setdefault("weight_version", self.weight_version)
         return HttpEngine(self.url, **kw)
-
-
-@dataclass
-class SGLangRouterConfig:
-    """`python -m sglang_router.launch_router` in front of several servers (DP over servers).
-
-    Generation goes through the router; control calls (abort, pause, weight updates, memory)
-    go to every worker's own URL.
-    """
-
-    worker_urls: list[str]
-    host: str = "127.0.0.1"
-    port: int = 30000
-    policy: str | None = None  # random | round_robin | cache_aware | power_of_two | manual
-    log_level: str | None = None
-    extra_args: list[str] = field(default_factory=list)
-    python: str = sys.executable
-
-    def __post_init__(self) -> None:
-        if not self.worker_urls:
-            raise ValueError("worker_urls is empty")
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def command(self) -> list[str]:
-        cmd = [self.python, "-m", "sglang_router.launch_router",
-               "--worker-urls", *self.worker_urls, "--host", self.host, "--port", str(self.port)]
-        if self.policy is not None:
-            cmd += ["--policy", self.policy]
-        if self.log_level is not None:
-            cmd += ["--log-level", self.log_level]
-        return cmd + list(self.extra_args)
 
 
 def http_ok(url: str, timeout_s: float = 5.0) -> bool:

@@ -15,8 +15,9 @@ Regenerate (writes tests/fixtures/sglang/{io_struct,server}_<version>.json):
     python -m megatron_rl.engines.sglang_schema --wheel /tmp/sgl/sglang-0.5.23-*.whl \
         --router-wheel /tmp/sgl/sglang_router-0.3.2-*.whl
 
-`validate_body` checks a JSON body against one struct: every key must be a field, every required
+`TypeChecker` checks a JSON body against one struct: every key must be a field, every required
 field present, and each value must fit the field's annotation (checked from its source text).
+The tests load the fixtures and run it (`tests/sglang_fixtures.py`).
 """
 
 from __future__ import annotations
@@ -271,13 +272,8 @@ def build_fixtures(wheel: Path, router_wheel: Path | None) -> dict[str, dict[str
 
 
 # ---------------------------------------------------------------------------------------------
-# loading and validation
+# validation
 # ---------------------------------------------------------------------------------------------
-
-
-def load_fixture(kind: str, version: str = SGLANG_VERSION) -> dict[str, Any]:
-    """`kind` is 'io_struct' or 'server'."""
-    return json.loads((FIXTURE_DIR / f"{kind}_{version}.json").read_text())
 
 
 _PRIMITIVES = {
@@ -387,17 +383,6 @@ class TypeChecker:
             if k in spec["fields"]:
                 errs += self.check(x, spec["fields"][k]["type"], f"{struct}.{prefix}{k}")
         return errs
-
-
-def validate_body(body: dict[str, Any], struct: str, structs: dict[str, dict[str, Any]],
-                  aliases: dict[str, str] | None = None, strict: bool = True) -> list[str]:
-    """Contract violations of `body` against `structs[struct]` (empty list = valid).
-
-    strict=False follows each struct's own unknown-key policy (api/v1's JSON contract).
-    """
-    if struct not in structs:
-        return [f"{struct}: no such struct in the schema"]
-    return TypeChecker(structs, aliases, strict).body_errors(body, struct)
 
 
 def main(argv: list[str] | None = None) -> None:

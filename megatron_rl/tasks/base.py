@@ -10,6 +10,7 @@ from typing import Any
 
 from megatron_rl.agents.base import AgentConfig
 from megatron_rl.agents.registry import AGENTS
+from megatron_rl.config.prompt_template import load_template
 from megatron_rl.config.schema import Config
 from megatron_rl.engines.base import SamplingParams
 from megatron_rl.records.prompt import Prompt
@@ -43,15 +44,24 @@ class Task:
 
 def build_task(cfg: Config, tokenizer: Any, folder: Path,
                aux_urls: dict[str, list[str]] | None = None) -> Task:
-    return TASKS.get(cfg.rl.task, "rl.task")(cfg, tokenizer, folder, aux_urls or {})
+    """The `rl.task`; with `data.prompt_template` its prompts (and held-out ones) start from
+    that template's chat instead of the data's own or the agent's built-in prompt."""
+    task = TASKS.get(cfg.rl.task, "rl.task")(cfg, tokenizer, folder, aux_urls or {})
+    if cfg.data.prompt_template is not None:
+        template = load_template(cfg.data.prompt_template)
+        task.prompts = map(template.apply, task.prompts)
+        task.held_out = [template.apply(p) for p in task.held_out]
+    return task
 
 
 def agent_config(cfg: Config, greedy: bool) -> AgentConfig:
+    """The agent's config, every value from the recipe (`rl.agent_limits` as it is)."""
     rl = cfg.rl
     return AgentConfig(max_turns=rl.max_turns, max_context_tokens=cfg.model.seq_length,
                        sampling=SamplingParams(temperature=0.0 if greedy else rl.temperature,
                                                max_new_tokens=rl.max_new_tokens),
-                       seed=cfg.train.seed, return_routed_experts=rl.routing_replay)
+                       limits=rl.agent_limits, seed=cfg.train.seed,
+                       return_routed_experts=rl.routing_replay)
 
 
 def build_agents(cfg: Config, tokenizer: Any, tools: Sequence[Any]) -> tuple[Any, Any]:

@@ -17,6 +17,10 @@ from typing import Any
 
 # kind → registry, filled as role packages create theirs (the config reads the choices here)
 REGISTRIES: dict[str, Registry] = {}
+# modules whose import creates the registries, imported when a kind is asked for before it
+# exists; the package root (megatron_rl/__init__.py) fills it, as this layer cannot name the
+# layers above it
+PROVIDERS: list[str] = []
 
 
 class RegistryError(ValueError):
@@ -45,6 +49,15 @@ def import_path(path: str, where: str = "") -> Any:
             raise RegistryError(f"{label}: module {module!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def registry_of(kind: str) -> Registry | None:
+    """The `kind` registry, importing `PROVIDERS` first if it was not created yet; None for a
+    kind no provider creates."""
+    if kind not in REGISTRIES:
+        for module in PROVIDERS:
+            importlib.import_module(module)
+    return REGISTRIES.get(kind)
 
 
 class Registry:
