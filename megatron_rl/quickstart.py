@@ -74,8 +74,7 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
                             "--unique-steps", "--held-out-fraction", str(b.held_out_fraction),
                             "--out", str(q)], held_out),
         Stage("tokenizer", ["data", "tokenizer", "--corpus", str(w / "corpus.parquet"),
-                            "--out", str(tok), "--vocab-size", str(b.vocab_size),
-                            "--isolate-spaces"], tok),
+                            "--out", str(tok), "--vocab-size", str(b.vocab_size)], tok),
         Stage("model", ["convert", "init-hf", "--model", "tiny-moe", "--tokenizer", str(tok),
                         "--out", str(model), "--seed", str(seed)], model),
     ]

@@ -102,6 +102,16 @@ def test_tokenizer_init_hf_and_eval_of_an_hf_folder(tmp_path):
     plain, with_prompts = (train_chat_tokenizer(texts + agent_scaffolding() * w, 2048)
                            for w in (0, 10))
     assert len(with_prompts.encode(planner)) < 0.6 * len(plain.encode(planner))
+    # --isolate-spaces: a name keeps its ids after a space and after a quote
+    iso = train_chat_tokenizer(texts, 1024, isolate_spaces=True)
+    name = "Lenri Yorumjal"
+    ids = iso.encode(name)
+    for text in (f"include {name}.", f'{{"query": "{name}"}}'):
+        enc = iso.encode(text)
+        assert any(enc[i:i + len(ids)] == ids for i in range(len(enc))), text
+        assert iso.decode(enc) == text
+    assert not any(plain.encode(f"include {name}")[i:i + len(plain.encode(name))]
+                   == plain.encode(name) for i in range(8))
     # the folder cannot be overwritten
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "convert", "init-hf",
                            "--model", "tiny-moe", "--tokenizer", str(tmp_path / "tok"),

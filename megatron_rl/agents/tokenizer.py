@@ -72,7 +72,8 @@ def train_chat_tokenizer(texts: Iterable[str], vocab_size: int,
     `isolate_spaces`: every whitespace character is its own token, so a word has the same ids
     wherever it stands (`of Sendal` and `"Sendal` share `Sen dal`; GPT-2-style merges would
     give `ĠSen` and `Sen`). Copying a name from the question into a query is then copying ids,
-    which a tiny model learns; ~25 % more tokens per text."""
+    what an induction head does; ~30 % more tokens per text. (Measured on the quickstart:
+    no copying at 200 SFT steps either way, and a worse tool-call format, so it is off there.)"""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
