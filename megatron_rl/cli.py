@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -231,6 +232,23 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_steps(args: argparse.Namespace) -> int:
+    from megatron_rl.evaluation import step_accuracy
+
+    try:
+        result = step_accuracy(args.model_dir, args.trajectories, args.limit)
+    except (OSError, ValueError) as e:
+        print(f"megatron-rl: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    for kind, s in result["steps"].items():
+        print(f"[eval-steps] {kind:24s} reproduced {s['reproduced']:.3f}  token accuracy "
+              f"{s['token_accuracy']:.3f}  ({s['turns']} turns)", flush=True)
+    return 0
+
+
 def _launch(fn, nproc: int, *args, backend: str = "auto") -> list:
     """Run `fn(*args)` SPMD: in this process under torchrun (one rank), else on `nproc` local
     gloo ranks. Returns the per-rank results (just this rank's under torchrun)."""
@@ -371,6 +389,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--retries", type=int, default=1)
     ev.add_argument("--temperature", type=float, default=0.0)
     ev.set_defaults(func=_eval)
+    es = sub.add_parser("eval-steps", help="per-step accuracy of an HF model on reference "
+                        "trajectories (teacher forcing): which step an agent cannot take yet")
+    es.add_argument("--model-dir", dest="model_dir", required=True)
+    es.add_argument("--trajectories", required=True, help="trajectory JSONL (e.g. the oracle "
+                    "teacher's on the held-out questions)")
+    es.add_argument("--out", required=True, help="JSON file to write")
+    es.add_argument("--limit", type=int, default=None)
+    es.set_defaults(func=_eval_steps)
 
     _add_data_commands(sub)
 

@@ -202,3 +202,42 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     return summary
+
+
+def step_accuracy(model_dir: str, trajectories: str, limit: int | None = None,
+                  progress: bool = True) -> dict[str, Any]:
+    """Per-step accuracy of an HF model on reference (e.g. oracle-teacher) trajectories: every
+    turn's context is fed as recorded and the model's argmax is compared with the recorded
+    output, token by token. A turn counts as reproduced when every token matches, which is
+    exactly when greedy decoding from that context writes it. Reported per kind of step
+    (the role, and for acting turns the tool called or `answer`), so a run whose episodes all
+    fail still shows which step it cannot take yet (pass@1 multiplies the steps)."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    lines = Path(trajectories).read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(x) for x in lines if x.strip()][:limit]  # dumps: `to_dict` rows
+    kinds: dict[str, list[int]] = {}           # kind -> [right tokens, tokens, exact, turns]
+    for traj in tqdm(rows, desc="step accuracy", unit="episode", disable=not progress):
+        for turn in traj["turns"]:
+            ctx, out = list(turn.get("context_ids") or ()), list(turn.get("output_ids") or ())
+            if not ctx or not out:
+                continue
+            with torch.no_grad():
+                logits = model(torch.tensor([ctx + out])).logits[0, len(ctx) - 1:-1]
+            right = int((logits.argmax(-1) == torch.tensor(out)).sum())
+            role = turn.get("role") or "assistant"
+            names = sorted({str(c.get("name")) for c in turn.get("tool_calls") or ()})
+            kind = ("synthesizer:notes" if role == "synthesizer"
+                    else f"{role}:{'+'.join(names) or 'answer'}")
+            for key in (kind, "all"):
+                k = kinds.setdefault(key, [0, 0, 0, 0])
+                k[0] += right
+                k[1] += len(out)
+                k[2] += right == len(out)
+                k[3] += 1
+    return {"model": model_dir, "trajectories": trajectories, "episodes": len(rows),
+            "steps": {k: {"token_accuracy": v[0] / v[1], "reproduced": v[2] / v[3],
+                          "turns": v[3]} for k, v in sorted(kinds.items())}}

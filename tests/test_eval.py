@@ -111,3 +111,40 @@ def test_bad_question_files_name_the_problem(tmp_path):
                            "http://127.0.0.1:9/v1", "--questions", str(tmp_path / "none.jsonl"),
                            "--index", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 2 and "questions file not found" in proc.stderr
+
+
+def test_eval_steps_reports_per_step_accuracy_under_teacher_forcing(tmp_path):
+    """A turn the model writes greedily counts as reproduced, a scrambled one does not; token
+    accuracy is the argmax agreement, per kind of step."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, num_experts=2,
+                         num_experts_per_tok=1)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "m")
+    ctx = [3, 5, 7, 9]
+    greedy = model.generate(torch.tensor([ctx]), max_new_tokens=6, do_sample=False,
+                            pad_token_id=0)[0, len(ctx):].tolist()
+    wrong = [(t + 1) % 64 for t in greedy]
+    rows = [{"turns": [
+        {"role": "planner", "context_ids": ctx, "output_ids": greedy,
+         "tool_calls": [{"name": "search", "arguments": {}}]},
+        {"role": "synthesizer", "context_ids": ctx, "output_ids": wrong, "tool_calls": []},
+        {"role": "planner", "context_ids": ctx, "output_ids": [], "tool_calls": []}]}]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "eval-steps", "--model-dir",
+                           str(tmp_path / "m"), "--trajectories", str(tmp_path / "t.jsonl"),
+                           "--out", str(tmp_path / "s.json")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    steps = json.loads((tmp_path / "s.json").read_text())["steps"]
+    assert steps["planner:search"] == {"token_accuracy": 1.0, "reproduced": 1.0, "turns": 1}
+    syn = steps["synthesizer:notes"]
+    assert syn["reproduced"] == 0.0 and syn["turns"] == 1
+    with torch.no_grad():  # the first wrong token is never the argmax; later ones may be
+        pred = model(torch.tensor([ctx + wrong])).logits[0, len(ctx) - 1:-1].argmax(-1)
+    assert syn["token_accuracy"] == float((pred == torch.tensor(wrong)).float().mean())
+    assert steps["all"]["turns"] == 2  # the empty turn is not a step
