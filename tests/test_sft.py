@@ -175,6 +175,26 @@ def test_overlong_sequences_are_truncated_or_dropped_and_counted(tmp_path):
                       vocab_size=512)
 
 
+def test_text_rows_are_windows_of_a_document_every_token_trained(tmp_path):
+    """Continued pre-training on a corpus: title + text + end of text, split into windows that
+    overlap by one token, so every token after the first is a target exactly once."""
+    text = " ".join(f"Entity {i} was founded in {CITIES[i % 6]}." for i in range(40))
+    path = tmp_path / "corpus.parquet"
+    pq.write_table(pa.table({"url": ["u"], "title": ["Entities"], "text": [text]}), path)
+    ids = [*TOK.encode(f"Entities\n\n{text}", add_special_tokens=False), TOK.eos_token_id]
+    data = load_sft_data([path], TOK, seq_length=63, vocab_size=512)
+    windows = [e.tokens for e in data.examples]
+    assert all(len(w) <= 64 for w in windows) and len(windows) == -(-(len(ids) - 1) // 63)
+    assert windows[0] == ids[:64] and [t for w in windows for t in w[1:]] == ids[1:]
+    assert all(m == 1 for e in data.examples for m in e.loss_mask)
+    assert data.stats["trained_tokens"] == len(ids) - 1 and data.stats["truncated"] == 0
+    # a text row without text is an error naming the row
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"title": "x"}) + "\n")
+    with pytest.raises(DataError, match="line 2: missing column 'text'"):
+        load_sft_data([bad], TOK, seq_length=63, vocab_size=512)
+
+
 # -- (d) bad inputs ------------------------------------------------------------------------
 def test_bad_inputs_name_file_and_row(tmp_path):
     def err(name: str, content: bytes | list[Any], fmt: str = "auto") -> str:

@@ -126,13 +126,14 @@ class SFTConfig:
     """`sft`: supervised fine-tuning (`megatron-rl sft`, `sft.py`; docs/sft.md). Files are
     trajectory JSONL (a `Trajectory.to_dict()` per line: trains exactly the generated tokens of
     turns whose loss mask is not 0) or chat rows in .parquet/.jsonl (a `messages` column of
-    {role, content}: trains the assistant messages, rendered with the tokenizer's template)."""
+    {role, content}: trains the assistant messages, rendered with the tokenizer's template) or
+    text rows (a `text` column, e.g. a corpus: continued pre-training on every token)."""
 
     train_files: tuple[str, ...] = bounded((), help="training data (.jsonl / .parquet)")
     val_files: tuple[str, ...] = bounded((), help="held-out data for sft.eval_every")
-    format: str = bounded("auto", choices=("auto", "trajectories", "messages"),
+    format: str = bounded("auto", choices=("auto", "trajectories", "messages", "text"),
                           help="auto: per file, a first row with `turns` is a trajectory, "
-                          "with `messages` a chat")
+                          "with `messages` a chat, with `text` a document")
     overlong: str = bounded("truncate", choices=("truncate", "drop"),
                             help="a sequence longer than model.seq_length + 1 tokens: cut at "
                             "the boundary, or left out (both counted)")

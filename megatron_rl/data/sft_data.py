@@ -16,6 +16,10 @@ Two row kinds, told apart per file by its first row (`sft.format: auto`) or forc
   from rendering prefixes, so they are token-exact; a template whose rendering of a prefix is
   not a prefix of the whole (e.g. one that rewrites earlier turns) is an error naming the row.
 
+- **text** (.parquet or .jsonl): a `text` column (and optionally `title`, put first), e.g. a
+  corpus as `data world` or `search build` read it: continued pre-training, every token trained,
+  a text longer than a sequence split into consecutive windows (nothing is cut away).
+
 Every sequence holds at most `seq_length + 1` tokens (inputs + the last target). Longer ones
 are cut at that boundary (`overlong="truncate"`, the default: the early turns still teach) or
 left out (`"drop"`); a sequence with nothing left to train is left out. All are counted in
@@ -41,7 +45,7 @@ from megatron_rl.data.parquet import DataError, check_messages, iter_rows
 from megatron_rl.records.batch import TokenBatch
 from megatron_rl.records.trajectory import Trajectory
 
-FORMATS = ("auto", "trajectories", "messages")
+FORMATS = ("auto", "trajectories", "messages", "text")
 IGNORED_TRAJECTORY_KEYS = ("step",)  # written by `megatron-rl train`'s trajectories.jsonl
 
 
@@ -85,8 +89,11 @@ def row_format(row: Any, where: str) -> str:
             return "trajectories"
         if "messages" in row:
             return "messages"
+        if isinstance(row.get("text"), str):
+            return "text"
     keys = sorted(row)[:8] if isinstance(row, dict) else type(row).__name__
-    raise DataError(f"{where}: neither a trajectory (`turns`) nor a chat (`messages`) row "
+    raise DataError(f"{where}: neither a trajectory (`turns`), a chat (`messages`) nor a "
+                    "`text` row "
                     f"(got {keys}); set sft.format to say which")
 
 
@@ -185,6 +192,21 @@ def _render_parts(tokenizer: Any, row: Any, where: str
     return full, mask, generated
 
 
+def _text_parts(tokenizer: Any, row: Any, where: str, width: int
+                ) -> list[tuple[list[int], list[int], list[bool]]]:
+    """Title and text, then the end-of-text token, in windows of `width` tokens that overlap
+    by one (each window's first token is the previous one's last target)."""
+    if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+        raise DataError(f"{where}: missing column 'text' (a string)")
+    title = row.get("title")
+    text = f"{title}\n\n{row['text']}" if isinstance(title, str) and title else row["text"]
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids += [eos] if eos is not None else []
+    return [(ids[i:i + width], [1] * len(ids[i:i + width]), [True] * len(ids[i:i + width]))
+            for i in range(0, max(len(ids) - 1, 1), width - 1)]
+
+
 # -- files → examples ----------------------------------------------------------------------
 def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: int,
                   vocab_size: int, fmt: str = "auto", overlong: str = "truncate",
@@ -207,8 +229,9 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
         for where, row in iter_rows(path):
             kind = kind or row_format(row, where)
             stats["rows"] += 1
-            seqs = _trajectory_parts(row, where) if kind == "trajectories" else \
-                [_render_parts(tokenizer, row, where)]
+            seqs = (_trajectory_parts(row, where) if kind == "trajectories" else
+                    _text_parts(tokenizer, row, where, width) if kind == "text" else
+                    [_render_parts(tokenizer, row, where)])
             for tokens, mask, generated in seqs:
                 bad = next((t for t in tokens if t >= vocab_size), None)
                 if bad is not None:
