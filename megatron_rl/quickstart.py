@@ -36,12 +36,13 @@ class Budget:
     sft_steps: int = 200
     rl_steps: int = 8
     eval_questions: int = 0        # 0: the whole held-out split
+    step_episodes: int = 16        # held-out oracle episodes `eval-steps` replays per model
     extra_rl: tuple[str, ...] = ()
 
 
 FULL = Budget()
 SMOKE = Budget(pages=1500, questions=40, held_out_fraction=0.2, vocab_size=512, sft_steps=2,
-               rl_steps=1, eval_questions=4,
+               rl_steps=1, eval_questions=4, step_episodes=2,
                extra_rl=("rl.sampling.groups_per_step=1", "rl.sampling.samples_per_prompt=2",
                          "rl.max_turns=4", "rl.max_new_tokens=32"))
 
@@ -117,6 +118,11 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
         Stage("eval-rl", ["eval", "--model-dir", "{rl/hf}", *ev, "--out", str(out / "eval/rl")],
               out / "eval/rl/summary.json"),
     ]
+    for name, folder in (("untrained", str(model)), ("sft", "{sft/hf}"), ("rl", "{rl/hf}")):
+        out_list.append(Stage(f"steps-{name}", [
+            "eval-steps", "--model-dir", folder, "--trajectories", str(t / "held_out.jsonl"),
+            "--limit", str(b.step_episodes), "--out", str(out / f"eval/steps-{name}.json")],
+            out / f"eval/steps-{name}.json"))
     return out_list
 
 
@@ -194,6 +200,21 @@ def _eval_row(out: Path, name: str) -> str:
             f"{sum(peaks) / max(len(peaks), 1):.0f} |")
 
 
+STEP_KINDS = ("planner:search", "planner:visit", "synthesizer:notes", "planner:answer")
+
+
+def _steps_rows(out: Path) -> list[str]:
+    """Per-step accuracy on the held-out oracle episodes: why pass@1 is what it is (an episode
+    needs every step right)."""
+    rows = ["| model | " + " | ".join(STEP_KINDS) + " |", "|---|" + "---|" * len(STEP_KINDS)]
+    for name in ("untrained", "sft", "rl"):
+        steps = json.loads((out / f"eval/steps-{name}.json").read_text())["steps"]
+        cells = [f"{steps[k]['reproduced']:.2f} ({steps[k]['token_accuracy']:.2f})"
+                 if k in steps else "-" for k in STEP_KINDS]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def report(out: Path, state: dict[str, Any], ablation: bool = False) -> Path:
     """`report.md`: stage timings, held-out accuracy per model, SFT and RL numbers, pictures."""
     pictures = write_report(out / "rl", out / "report")
@@ -213,6 +234,10 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False) -> Path:
         f"Total time {sum(v['seconds'] for v in state.values()) / 60:.1f} min.", "",
         "## Held-out accuracy (pass@1, greedy, IterSynth agent)", "",
         *head, *rows, "",
+        "## Held-out steps (oracle contexts, teacher forcing)", "",
+        "Share of steps the model writes exactly as the oracle, greedy from the oracle's "
+        "context (token accuracy in brackets).", "",
+        *_steps_rows(out), "",
         "## Training", "",
         f"- questions: {json.dumps(counts)}",
         f"- SFT: loss {sft[1]['loss']:.3f} -> {sft[-1]['loss']:.3f} over {len(sft) - 1} steps" +

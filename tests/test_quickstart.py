@@ -137,7 +137,8 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     state = json.loads((out / "stages.json").read_text())
     assert list(state) == ["world", "questions", "tokenizer", "model", "teacher-itersynth",
                            "filter-itersynth", "teacher-held-out", "sft", "rl",
-                           "eval-untrained", "eval-sft", "eval-rl"]
+                           "eval-untrained", "eval-sft", "eval-rl", "steps-untrained",
+                           "steps-sft", "steps-rl"]
     for path in ("world/index", "questions/held_out.parquet", "tokenizer/tokenizer.json",
                  "model/config.json", "teacher/itersynth.kept.jsonl", "sft/hf",
                  "rl/hf", "rl/trajectories.jsonl", "eval/rl/summary.json",
@@ -153,6 +154,10 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     table = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \| (\d+) \|", text, re.M)
     assert [t[0] for t in table] == ["untrained", "sft", "rl"]
     assert all(0.0 <= float(acc) <= 1.0 and int(n) == 4 for _, acc, n in table)
+    steps = json.loads((out / "eval/steps-sft.json").read_text())
+    assert steps["episodes"] == 2 and steps["steps"]["planner:search"]["turns"] >= 2
+    cells = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \(([0-9.]+)\) \|", text, re.M)
+    assert [c[0] for c in cells] == ["untrained", "sft", "rl"]
     for _, png in re.findall(r"!\[([^\]]+)\]\(([^)]+)\)", text):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a re-run resumes: every stage is skipped, the report is rewritten
