@@ -137,16 +137,17 @@ def _train(args: argparse.Namespace) -> int:
     nproc = args.nproc or min_world_size(cfg.parallel)
     try:
         check_inputs(cfg)  # a bad row or tokenizer fails here, before any rank or engine
-        with trainer_ranks(nproc, cfg.parallel.backend) as group:
-            if group is None:  # a torchrun rank other than 0: it served rank 0's jobs
-                return 0
-            print(f"[megatron-rl] RL: {cfg.rl.agent} agent, {cfg.model.hf_path or cfg.model.name} "
-                  f"on {getattr(group, 'world_size', nproc)} trainer rank(s), {cfg.train.steps} "
-                  "steps", flush=True)
-            rows = train(cfg, group)
     except (DataError, ValueError) as e:  # a bad data file, row, field or tokenizer
         print(f"megatron-rl: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
+    # past the checks an error is the run's own: it keeps its traceback
+    with trainer_ranks(nproc, cfg.parallel.backend) as group:
+        if group is None:  # a torchrun rank other than 0: it served rank 0's jobs
+            return 0
+        print(f"[megatron-rl] RL: {cfg.rl.agent} agent, {cfg.model.hf_path or cfg.model.name} on "
+              f"{getattr(group, 'world_size', nproc)} trainer rank(s), {cfg.train.steps} steps",
+              flush=True)
+        rows = train(cfg, group)
     if rows:
         print(f"[megatron-rl] pass rate {rows[0]['rollout/pass_rate']:.3f} -> "
               f"{rows[-1]['rollout/pass_rate']:.3f} over {len(rows)} steps; "
