@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -104,7 +105,10 @@ def _convert_init_hf(args: argparse.Namespace) -> int:
     from megatron_rl.checkpoint.hf_init import init_hf_model
     from megatron_rl.models.registry import get_model_spec
 
-    out = init_hf_model(get_model_spec(args.model), args.tokenizer, args.out, seed=args.seed)
+    spec = get_model_spec(args.model)
+    if args.tie_embeddings:
+        spec = dataclasses.replace(spec, tie_word_embeddings=True)
+    out = init_hf_model(spec, args.tokenizer, args.out, seed=args.seed)
     print(f"[convert] {args.model} with random weights (seed {args.seed}) -> {out}", flush=True)
     return 0
 
@@ -328,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "template)")
     ini.add_argument("--out", required=True, help="HF folder to create")
     ini.add_argument("--seed", type=int, default=0)
+    ini.add_argument("--tie-embeddings", dest="tie_embeddings", action="store_true",
+                     help="one matrix for the input embedding and the output layer: a copied "
+                     "id's logit is its embedding's self-similarity, even for ids never trained")
     ini.set_defaults(func=_convert_init_hf)
     m2h = csub2.add_parser("megatron-to-hf", help="torch_dist → HF safetensors (streaming)")
     m2h.add_argument("--ckpt", required=True, help="a step folder, or a run folder with latest")
@@ -437,6 +444,9 @@ def _add_data_commands(sub: Any) -> None:
     tk.add_argument("--isolate-spaces", dest="isolate_spaces", action="store_true",
                     help="every space its own token: a name has the same ids after a space "
                     "and after a quote (what copying it into a tool call needs)")
+    tk.add_argument("--title-tokens", dest="title_tokens", action="store_true",
+                    help="every page title and URL one token, on top of --vocab-size (a tiny "
+                    "model copies a name into a call as one id)")
     tk.set_defaults(func=_data_tokenizer)
     for action in dsub.choices.values():  # bad input is an error that names it, not a trace
         action.set_defaults(func=_user_errors(action.get_default("func")))
@@ -457,7 +467,13 @@ def _data_tokenizer(args: argparse.Namespace) -> int:
         # weighted like a corpus of that many episodes: merges for the system prompts too
         yield from agent_scaffolding() * args.scaffolding_weight
 
-    tokenizer = train_chat_tokenizer(texts(), args.vocab_size, args.isolate_spaces)
+    def titles():
+        for path in args.corpus:
+            for _where, row in iter_rows(Path(path)):
+                yield from (row[k] for k in ("title", "url") if isinstance(row.get(k), str))
+
+    tokenizer = train_chat_tokenizer(texts(), args.vocab_size, args.isolate_spaces,
+                                     words=titles() if args.title_tokens else ())
     out = Path(args.out)
     tmp = out.with_name(f".tmp-{out.name}")
     tokenizer.save_pretrained(tmp)

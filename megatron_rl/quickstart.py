@@ -82,15 +82,15 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
     for agent in agents:
         out_list.append(Stage(f"teacher-{agent}", [
             "data", "teacher", "--agent", agent, "--questions", str(q / "train.parquet"),
-            "--index", str(index), "--tokenizer", str(tok), "--vocab-size",
-            str(b.vocab_size), "--out", str(t / f"{agent}.jsonl")], t / f"{agent}.jsonl"))
+            "--index", str(index), "--tokenizer", str(tok),
+            "--out", str(t / f"{agent}.jsonl")], t / f"{agent}.jsonl"))
         out_list.append(Stage(f"filter-{agent}", [
             "data", "filter", str(t / f"{agent}.jsonl"), str(t / f"{agent}.kept.jsonl"),
             "--min-depth", "2", "--report", str(t / f"filter-{agent}.json")],
             t / f"{agent}.kept.jsonl"))
     out_list.append(Stage("teacher-held-out", [
         "data", "teacher", "--agent", "itersynth", "--questions", str(held_out),
-        "--index", str(index), "--tokenizer", str(tok), "--vocab-size", str(b.vocab_size),
+        "--index", str(index), "--tokenizer", str(tok),
         "--out", str(t / "held_out.jsonl")], t / "held_out.jsonl"))
     out_list += [
         Stage("sft", ["sft", "tiny-moe-sft-cpu", f"model.hf_path={model}",

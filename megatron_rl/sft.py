@@ -46,7 +46,8 @@ def _data(cfg: Config, files: tuple[str, ...], tokenizer: Any, vocab: int,
           context_weight: float = 0.0) -> SFTData:
     return load_sft_data(files, tokenizer, seq_length=cfg.model.seq_length, vocab_size=vocab,
                          fmt=cfg.sft.format, overlong=cfg.sft.overlong,
-                         context_weight=context_weight)
+                         context_weight=context_weight, system_share=cfg.sft.system_loss_share,
+                         seed=cfg.train.seed)
 
 
 def _resolved(cfg: Config, sequences: int) -> Config:

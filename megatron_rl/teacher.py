@@ -5,10 +5,13 @@ same trajectory JSONL the RL loop dumps (the input of filters and SFT).
 - The oracle teacher (the embedded world, or any question that carries its path): an engine
   whose every message follows the known path. ReAct: search the question's named first
   entity (or the question), visit the first support page, then per hop search the bridge
-  entity the visited page named and visit its page, then answer. IterSynth: the Planner does
-  the same one call per step and the Synthesizer keeps the current notes and adds a line per
-  new fact: a support page found among search results (title and URL) or the first sentence
-  of a page that names a bridge entity or the answer. The queries and observations are real
+  entity the visited page named and visit its page, then answer. IterSynth: each Planner step
+  is a function of what the Planner sees, the question and the notes (`oracle_plan_step`:
+  answer once a fact names the answer, else visit the first support page noted and not yet
+  read, else search), so that a policy can learn it; the Synthesizer keeps the current notes,
+  marks a visited page's line `(read)` and adds a line per new fact: a support page found
+  among search results (title and URL) or the first sentence of a page that names a bridge
+  entity or the answer. The queries and observations are real
   (real index, real pages); a trajectory records in `metadata["teacher"]["grounded"]` whether
   every visited URL had appeared in an earlier observation (a demonstration a policy could
   follow).
@@ -21,6 +24,7 @@ import argparse
 import asyncio
 import json
 import re
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,22 +79,43 @@ def oracle_messages(question: str, path: OraclePath, family: Any, agent: str) ->
 
 
 _RESULT = re.compile(r"\[([^\]\n]+)\]\((https?://[^)\s]+)\)")
+_VISITED = re.compile(r"^\[\d+\] visit (\{.*\})$", re.M)
+_PAGE_LINE = re.compile(r"^- (.+?): (https?://\S+?)( \(read\))?$")
+READ = " (read)"  # a page line's mark once the page was visited
+NOTHING_YET = "- nothing yet"
+
+
+def _visited(evidence: str) -> set[str]:
+    urls = set()
+    for args in _VISITED.findall(evidence):
+        try:
+            url = json.loads(args).get("url")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(url, str):
+            urls.add(url)
+    return urls
 
 
 def oracle_notes(current: str, evidence: str, path: OraclePath) -> str:
     """The oracle Synthesizer's notes: the current ones kept, plus one line per new fact the
     path needs - a search result that is a support page (`- Title: URL`, what the Planner
-    visits next) or the first sentence of a page naming a bridge entity or the answer (what
-    it searches next, or answers)."""
-    lines = [x for x in current.splitlines() if x.startswith("- ")]
+    visits next; marked `(read)` once visited, so the notes say what was done) or the first
+    sentence of a page naming a bridge entity or the answer (what it searches next, or
+    answers)."""
+    lines = [x for x in current.splitlines() if x.startswith("- ") and x != NOTHING_YET]
+    visited = _visited(evidence)
+    lines = [x + READ if (m := _PAGE_LINE.match(x)) and m[2] in visited and not m[3] else x
+             for x in lines]
+    noted = {m[2] for x in lines if (m := _PAGE_LINE.match(x))}
     support = set(path.support)
     for title, url in _RESULT.findall(evidence):
-        line = f"- {title}: {url}"
-        if url in support and line not in lines:
-            lines.append(line)
+        if url in support and url not in noted:
+            lines.append(f"- {title}: {url}")
+            noted.add(url)
     text = _LINK.sub(r"\1", evidence)
     for name in (*path.bridges, path.answer):
-        if any(name in x for x in lines if not x.startswith(f"- {name}: http")):
+        if any(name in x for x in lines if not _PAGE_LINE.match(x)):
             continue
         for sentence in _SENTENCE.findall(text):
             sentence = sentence.strip()
@@ -98,13 +123,38 @@ def oracle_notes(current: str, evidence: str, path: OraclePath) -> str:
                     and "<http" not in sentence and "](" not in sentence):
                 lines.append(f"- {sentence}")
                 break
-    return "\n".join(lines[-MAX_NOTE_LINES:]) or "- nothing yet"
+    return "\n".join(lines[-MAX_NOTE_LINES:]) or NOTHING_YET
+
+
+def oracle_plan_step(question: str, notes: str, path: OraclePath, family: Any) -> str:
+    """The oracle Planner's next message, a function of what it sees (question and notes)
+    alone, so that a policy can learn it: answer once a fact names the answer; else visit the
+    first support page noted but not read; else search the start (no notes yet) or the first
+    bridge a fact names whose page is not noted yet."""
+    lines = [x for x in notes.splitlines() if x.startswith("- ") and x != NOTHING_YET]
+    pages = [m for x in lines if (m := _PAGE_LINE.match(x))]
+    facts = [x for x in lines if not _PAGE_LINE.match(x)]
+    if any(path.answer in x for x in facts):
+        return f"<answer>{path.answer}</answer>"
+    for m in pages:
+        if not m[3] and m[2] in path.support:
+            k = path.support.index(m[2])
+            goal = path.goals[k] if k < len(path.goals) else \
+                "find the next fact the question needs"
+            return family.tool_call("visit", {"url": m[2], "goal": goal})
+    noted = {m[2] for m in pages}
+    for k, bridge in enumerate(path.bridges):
+        if (k + 1 < len(path.support) and path.support[k + 1] not in noted
+                and any(bridge in x for x in facts)):
+            return family.tool_call("search", {"query": bridge})
+    return family.tool_call("search", {"query": path.start or question})
 
 
 class OracleEngine(NoServerControl):
     """A `RolloutEngine` that writes the oracle's messages: message k of episode `uid` (the
-    request id is `uid/k`, as agents number them) is the k-th planned step; IterSynth's
-    Synthesizer turns (odd k) are notes drawn from the evidence in the context."""
+    request id is `uid/k`, as agents number them) is the k-th planned step (ReAct); IterSynth's
+    Planner turns come from the notes in their context and its Synthesizer turns are notes
+    drawn from the evidence in theirs."""
 
     weight_version = 0
 
@@ -114,23 +164,29 @@ class OracleEngine(NoServerControl):
         self.plans: dict[str, list[str]] = {}
         self.paths: dict[str, OraclePath] = {}
         self.planner_steps: dict[str, int] = {}
+        self.questions: dict[str, str] = {}
+        self.families: dict[str, Any] = {}
 
-    def plan(self, uid: str, messages: list[str], path: OraclePath) -> None:
-        self.plans[uid], self.paths[uid] = messages, path
+    def plan(self, uid: str, messages: list[str] | None, path: OraclePath, *,
+             question: str = "", family: Any = None) -> None:
+        """`messages`: the episode's messages in order; None (IterSynth): each Planner message
+        is `oracle_plan_step` of the notes the Planner sees."""
+        self.plans[uid], self.paths[uid] = messages or [], path
+        self.questions[uid], self.families[uid] = question, family
 
     def _text(self, uid: str, k: int, context: str) -> str:
         plan = self.plans[uid]
         if self.agent != "itersynth":
             return plan[min(k, len(plan) - 1)]
         last_user = context.rsplit("<|im_start|>user", 1)[-1]
-        if "New evidence:" not in last_user:  # a Planner turn: the next planned call
-            step, p = self.planner_steps.get(uid, 0), self.paths[uid]
-            # the answer's own page is not read once the notes name the answer
-            if (step < len(plan) - 1 and p.support[-1] in plan[step]
-                    and p.answer in last_user.rpartition("Notes so far:")[2]):
-                step += 1
-            self.planner_steps[uid] = step + 1
-            return plan[min(step, len(plan) - 1)]
+        if "New evidence:" not in last_user:  # a Planner turn
+            if plan:  # an explicit plan (a test's): its next message
+                step = self.planner_steps.get(uid, 0)
+                self.planner_steps[uid] = step + 1
+                return plan[min(step, len(plan) - 1)]
+            notes = last_user.rpartition("Notes so far:")[2].rsplit("<|im_end|>", 1)[0]
+            return oracle_plan_step(self.questions[uid], notes, self.paths[uid],
+                                    self.families[uid])
         head, _, evidence = last_user.rpartition("New evidence:")
         current = head.rpartition("Current notes:")[2]
         return oracle_notes(current, evidence, self.paths[uid])
@@ -198,8 +254,10 @@ async def run_teacher(prompts: Sequence[Prompt], agent: Any, engine: Any, *, ora
                 if path is None:
                     counts["no_path"] += 1
                     return None
-                engine.plan(p.uid, oracle_messages(p.question, path, agent.chat.family,
-                                                   engine.agent), path)
+                family = agent.chat.family
+                engine.plan(p.uid, None if engine.agent == "itersynth" else
+                            oracle_messages(p.question, path, family, engine.agent), path,
+                            question=p.question, family=family)
             traj = await agent.run(p.question, p.answer, engine, group_id=p.uid, uid=p.uid,
                                    **({"messages": p.messages} if p.messages else {}))
             traj.metadata.update(p.metadata)
@@ -242,7 +300,9 @@ def main(args: argparse.Namespace) -> int:
     from megatron_rl.env.visit import LocalPages, Visit
 
     t0 = time.time()
-    tokenizer = run_tokenizer(args.tokenizer, "tiny-moe", vocab_size=args.vocab_size)
+    # a tokenizer folder is taken at its own size unless --vocab-size bounds it
+    vocab = args.vocab_size or (sys.maxsize if args.tokenizer else 512)
+    tokenizer = run_tokenizer(args.tokenizer, "tiny-moe", vocab_size=vocab)
     out = Path(args.out)
     if args.questions:
         prompts = read_prompts([args.questions])
@@ -289,8 +349,9 @@ def add_teacher_parser(sub: Any) -> None:
     t.add_argument("--num-questions", dest="num_questions", type=int, default=64)
     t.add_argument("--limit", type=int, default=0)
     t.add_argument("--tokenizer", default=None, help="HF tokenizer folder (default: built-in)")
-    t.add_argument("--vocab-size", dest="vocab_size", type=int, default=512,
-                   help="the policy's vocabulary (the tokenizer must fit it)")
+    t.add_argument("--vocab-size", dest="vocab_size", type=int, default=0,
+                   help="the policy's vocabulary, that the tokenizer must fit (0: a --tokenizer "
+                   "folder at its own size, the built-in one at 512)")
     t.add_argument("--teacher-url", dest="teacher_url", default=None)
     t.add_argument("--teacher-model", dest="teacher_model", default="default")
     t.add_argument("--api-key-env", dest="api_key_env", default=None)

@@ -47,3 +47,39 @@ def test_synthetic_stream_is_deterministic_and_learnable():
     seq = data.sample(11)
     strides = (seq[1:] - seq[:-1]) % 64
     assert len(set(strides.tolist())) == 1 and 1 <= strides[0] <= data.max_stride
+
+
+def test_trained_positions_only_give_the_same_logprobs_and_gradients(monkeypatch):
+    """`keep`: only the trained positions go through the output layer; the loss over them and
+    its gradients are those of the full computation, the other positions are 0."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.models.logprobs import chunked_logprobs
+
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+    g = torch.Generator().manual_seed(0)
+    seq, batch, h, vocab = 7, 3, 8, 50
+    hidden = torch.randn(seq, batch, h, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, h, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    keep = torch.rand(batch, seq, generator=g) > 0.5
+    keep[2] = False  # a row with nothing trained
+    results = []
+    for k in (None, keep):
+        lp, ent = chunked_logprobs(hidden, weight, labels, vocab_size=vocab,
+                                   sequence_parallel=False, chunk_tokens=4, keep=k)
+        loss = -(lp * keep).sum() + (ent * keep).sum() * 0.1
+        gh, gw = torch.autograd.grad(loss, (hidden, weight))
+        results.append((lp.detach(), ent.detach(), gh, gw))
+    (lp_all, ent_all, gh_all, gw_all), (lp_k, ent_k, gh_k, gw_k) = results
+    assert torch.allclose(lp_k[keep], lp_all[keep], atol=1e-6)
+    assert torch.allclose(ent_k[keep], ent_all[keep], atol=1e-6)
+    assert (lp_k[~keep] == 0).all() and (ent_k[~keep] == 0).all()
+    assert torch.allclose(gh_k, gh_all, atol=1e-6) and torch.allclose(gw_k, gw_all, atol=1e-6)
+    assert gh_k.abs().sum() > 0
+    # nothing kept at all: zeros that backward still goes through
+    lp, ent = chunked_logprobs(hidden, weight, labels, vocab_size=vocab,
+                               sequence_parallel=False, keep=torch.zeros_like(keep))
+    assert lp.shape == labels.shape and not lp.any()
+    (lp.sum() + ent.sum()).backward()

@@ -153,6 +153,14 @@ def test_chat_row_loss_mask_matches_the_rendered_trajectory(tmp_path):
     assert [m if m == 1 else 0 for m in wref.loss_mask] == ref.loss_mask
     body = len(ref.tokens)  # the chat's extra final newline is context too
     assert wchat.loss_mask[:body] == wref.loss_mask and wchat.loss_mask[body:] == [0.25]
+    # sft.system_loss_share=0: the system prompt (up to the user turn) is not trained
+    (nosys,) = load_sft_data([traj_path], TOK, seq_length=512, vocab_size=512,
+                             context_weight=0.25, system_share=0.0).examples
+    user = next(i for i in range(1, len(ref.tokens)) if ref.tokens[i] == CHAT.im_start_id)
+    system = TOK.decode(ref.tokens[:user])
+    assert SYSTEM in system and "user" not in system
+    assert nosys.loss_mask[:user] == [0.0] * user
+    assert nosys.loss_mask[user:] == wref.loss_mask[user:]
     # system, user and tool messages alone: nothing to train is an error naming the row
     with pytest.raises(DataError, match=r"c2.jsonl line 1.messages: no assistant message"):
         load_sft_data([write_jsonl(tmp_path / "c2.jsonl", [{"messages": messages[:2]}])], TOK,

@@ -33,6 +33,10 @@ TRUNCATED = " …[truncated]"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def is_markup(token: str) -> bool:
+    return token.startswith("<") and token.endswith(">") and len(token) > 2
+
+
 class UnsafeTextError(AssertionError):
     """Escaped text still tokenized to a special/added token id (an escaping bug, never data)."""
 
@@ -52,7 +56,10 @@ class ChatFormat:
             raise ValueError(f"tokenizer has no {IM_START}/{IM_END} tokens: not a ChatML tokenizer")
         self.im_start_id, self.im_end_id = ids
         # every token the tokenizer maps from a literal string ahead of the model's vocabulary
-        added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+        # that is markup (special, or `<…>`: `<tool_call>`, `<think>`); added words (page
+        # titles, URLs: `data tokenizer --title-tokens`) are content and stay as they are
+        added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()
+                 if t.special or is_markup(t.content)}
         for i in tokenizer.all_special_ids:
             added.setdefault(i, tokenizer.convert_ids_to_tokens(i))
         self.protected_ids: frozenset[int] = frozenset(added)

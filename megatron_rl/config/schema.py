@@ -150,6 +150,10 @@ class SFTConfig:
                                          "turn's): > 0 also trains the model on the pages it "
                                          "reads, a cheap signal for a small model to learn to "
                                          "copy names from its context")
+    system_loss_share: float = bounded(1.0, ge=0.0, le=1.0, help="share of the sequences "
+                                       "whose system prompt context_loss_weight trains too (a "
+                                       "seeded draw): the same text in every sequence, and "
+                                       "each trained position costs a vocabulary matmul")
 
 
 @dataclass

@@ -208,12 +208,23 @@ def _text_parts(tokenizer: Any, row: Any, where: str, width: int
 
 
 # -- files → examples ----------------------------------------------------------------------
+def _system_prompt_length(tokens: Sequence[int], tokenizer: Any) -> int:
+    """Tokens up to the turn after a leading ChatML system message (0 without one)."""
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    if not tokens or tokens[0] != start or \
+            not tokenizer.decode(tokens[1:16]).startswith("system"):
+        return 0
+    return next((i for i in range(1, len(tokens)) if tokens[i] == start), len(tokens))
+
+
 def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: int,
                   vocab_size: int, fmt: str = "auto", overlong: str = "truncate",
-                  context_weight: float = 0.0) -> SFTData:
+                  context_weight: float = 0.0, system_share: float = 1.0,
+                  seed: int = 0) -> SFTData:
     """Every sequence of `files`, in file and row order, cut or dropped to fit `seq_length`.
     `context_weight` > 0 also trains the context tokens (prompts, observations; never a
-    masked turn's) with that loss weight."""
+    masked turn's) with that loss weight; the system prompt only in a `system_share` of the
+    sequences (a draw seeded with `seed`)."""
     if fmt not in FORMATS:
         raise DataError(f"sft.format={fmt!r}: one of {', '.join(FORMATS)}")
     if overlong not in ("truncate", "drop"):
@@ -224,6 +235,7 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
     if context_weight:
         stats["context_tokens"] = 0
     examples: list[SFTExample] = []
+    draw = random.Random(seed)
     for f in files:
         path, kind = Path(f), None if fmt == "auto" else fmt
         for where, row in iter_rows(path):
@@ -250,7 +262,13 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
                 stats["sequences"] += 1
                 stats["trained_tokens"] += trained
                 if context_weight:
-                    context = [not m and not g for m, g in zip(mask, generated, strict=True)]
+                    # the system prompt is the same text in every sequence: a share of its
+                    # copies teaches as much, and each trained position costs a
+                    # vocabulary-wide matmul (most of a small model's cost)
+                    skip = 0 if draw.random() < system_share else \
+                        _system_prompt_length(tokens, tokenizer)
+                    context = [i >= skip and not m and not g for i, (m, g) in
+                               enumerate(zip(mask, generated, strict=True))]
                     stats["context_tokens"] += sum(context[1:])
                     mask = [context_weight if c else float(m) for m, c in zip(mask, context)]
                 examples.append(SFTExample(tokens, mask, where))

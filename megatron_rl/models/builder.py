@@ -135,9 +135,9 @@ def logprob_output_processor(vocab_size: int, temperature: float = 1.0,
 
 
 def _logprob_output(*, hidden_states, output_layer, output_weight, labels, vocab_size,
-                    temperature, chunk_tokens, **_unused) -> torch.Tensor:
+                    temperature, chunk_tokens, keep=None, **_unused) -> torch.Tensor:
     weight = output_weight if output_weight is not None else output_layer.weight
     logp, ent = chunked_logprobs(hidden_states, weight, labels, vocab_size=vocab_size,
                                  sequence_parallel=output_layer.sequence_parallel,
-                                 temperature=temperature, chunk_tokens=chunk_tokens)
+                                 temperature=temperature, chunk_tokens=chunk_tokens, keep=keep)
     return torch.stack([logp, ent], dim=-1)

@@ -7,6 +7,8 @@ backward (activation checkpointing), so memory is bounded by one chunk.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -70,10 +72,13 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_st
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                      vocab_size: int, sequence_parallel: bool, temperature: float = 1.0,
-                     chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk_tokens: int = 4096, keep: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropy of `labels` [b, s] from final hidden states [s(/tp), b, h].
 
     `weight` is this rank's output-layer shard [V/tp, h]. Returns two [b, s] float32 tensors.
+    `keep` [b, s] (bool): only those positions go through the output layer (the others are 0):
+    the vocabulary matmul is most of a small model's cost, and only trained targets need it.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import mappings
@@ -88,6 +93,28 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=group)
     vocab_start = ps.get_tensor_model_parallel_rank() * weight.shape[0]
     labels_sb = labels.transpose(0, 1)  # [s, b] to match hidden
+    if keep is not None:
+        where = keep.transpose(0, 1).reshape(-1).nonzero().squeeze(1)
+        if where.numel() == 0:  # nothing trained here: zeros, still part of the graph
+            zeros = hidden[..., 0].transpose(0, 1).float() * 0.0
+            return zeros, zeros
+        flat = hidden.reshape(-1, 1, hidden.shape[-1]).index_select(0, where)
+        lp, ent = _chunks(flat, weight, labels_sb.reshape(-1, 1).index_select(0, where),
+                          vocab_start, vocab_size, group, tp, temperature, chunk_tokens)
+        out = [torch.zeros(labels_sb.numel(), dtype=x.dtype, device=x.device)
+               .index_put((where,), x.squeeze(1)).view_as(labels_sb).transpose(0, 1)
+               for x in (lp, ent)]
+        return out[0], out[1]
+    lp, ent = _chunks(hidden, weight, labels_sb, vocab_start, vocab_size, group, tp,
+                      temperature, chunk_tokens)
+    return lp.transpose(0, 1), ent.transpose(0, 1)
+
+
+def _chunks(hidden: torch.Tensor, weight: torch.Tensor, labels_sb: torch.Tensor,
+            vocab_start: int, vocab_size: int, group: Any, tp: int, temperature: float,
+            chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[s, b] log-probs and entropies, `chunk_tokens` positions through the output layer at a
+    time (recomputed in backward: the [chunk, V] logits are never all kept)."""
     seq, batch = labels_sb.shape
     step = max(1, chunk_tokens // max(batch, 1))
 
@@ -106,4 +133,4 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
             lp, ent = one_chunk(h, weight, y)
         logps.append(lp)
         ents.append(ent)
-    return torch.cat(logps).transpose(0, 1), torch.cat(ents).transpose(0, 1)
+    return torch.cat(logps), torch.cat(ents)

@@ -217,7 +217,9 @@ class MegatronActor:
             reported["num_tokens"] = tokens.float()
             return res.loss_sum, tokens, reported
 
-        per_mb = self._schedule(micro, loss_func, forward_only=forward_only, collect=False)
+        # only trained targets go through the output layer: the others carry no loss
+        per_mb = self._schedule(micro, loss_func, forward_only=forward_only, collect=False,
+                                trained_only=True)
         return self._reduce_metrics(per_mb)
 
     def _micro_batches(self, batch: TokenBatch) -> list[TokenBatch]:
@@ -256,7 +258,7 @@ class MegatronActor:
                 self.rope.positions = None
 
     def _schedule(self, micro: list[TokenBatch], loss_func, *, forward_only: bool,
-                  collect: bool, processor=None) -> list[Any]:
+                  collect: bool, processor=None, trained_only: bool = False) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         processor = processor or logprob_output_processor(
@@ -267,7 +269,8 @@ class MegatronActor:
             reroute = self.routing and self.routing.set(mb.extras.get(ROUTED_EXPERTS))
             with self._model_inputs(mb) as inputs:
                 out = model(mb.input_ids, mb.position_ids, labels=mb.labels,
-                            output_processor=processor, **inputs)
+                            output_processor=partial(processor, keep=mb.loss_mask > 0)
+                            if trained_only else processor, **inputs)
             if reroute and out.requires_grad:  # recomputation in backward routes the same way
                 out.register_hook(reroute)
             return out, partial(loss_func, mb)

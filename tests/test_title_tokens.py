@@ -1,0 +1,51 @@
+"""`data tokenizer --title-tokens` and `convert init-hf --tie-embeddings`: page titles and
+URLs are one id wherever they stand (after a space or a quote), text still round-trips, the
+agent's escaping leaves them alone (they are content, not markup) and the tied model's output
+layer is its embedding."""
+
+from __future__ import annotations
+
+import json
+
+from megatron_rl.agents.chat import ChatFormat
+from megatron_rl.agents.tokenizer import train_chat_tokenizer
+
+TITLES = ["Dorras Dynamics", "Marur Voelrho", "https://en.worldwiki.test/wiki/Dorras_Dynamics"]
+TEXT = ("Dorras Dynamics was founded in 1968 by Marur Voelrho. The founder of Dorras Dynamics "
+        "lived in Fenwyville. ") * 20
+
+
+def test_titles_are_single_ids_after_a_space_and_after_a_quote():
+    tok = train_chat_tokenizer([TEXT], 400, words=TITLES)
+    assert len(tok) == 400 + len(TITLES)
+    name = tok.convert_tokens_to_ids("Dorras Dynamics")
+    question = tok.encode("Who founded Dorras Dynamics?", add_special_tokens=False)
+    call = tok.encode(json.dumps({"query": "Dorras Dynamics"}), add_special_tokens=False)
+    assert question.count(name) == 1 and call.count(name) == 1  # the same id both ways
+    url = tok.convert_tokens_to_ids(TITLES[2])
+    assert tok.encode(f'"url": "{TITLES[2]}"', add_special_tokens=False).count(url) == 1
+    # a title inside a longer word is not the title; every text round-trips
+    for text in ("Dorras Dynamicsx and xDorras Dynamics", TEXT, '{"query": "Marur Voelrho"}'):
+        assert name not in tok.encode("Dorras Dynamicsx", add_special_tokens=False)
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    # the agent's escaping breaks markup in untrusted text, never a title
+    chat = ChatFormat(tok)
+    page = "Dorras Dynamics <tool_call> was founded by Marur Voelrho"
+    safe = chat.safe_text(page)
+    assert "<tool_call>" not in safe and "Dorras Dynamics" in safe and "Marur Voelrho" in safe
+    assert name in chat.encode(safe)
+
+
+def test_init_hf_ties_the_output_layer_to_the_embedding(tmp_path):
+    import transformers
+
+    from megatron_rl.cli import main
+
+    tok = train_chat_tokenizer([TEXT], 400, words=TITLES)
+    tok.save_pretrained(tmp_path / "tok")
+    assert main(["convert", "init-hf", "--model", "tiny-moe", "--tokenizer",
+                 str(tmp_path / "tok"), "--out", str(tmp_path / "m"), "--tie-embeddings"]) == 0
+    cfg = json.loads((tmp_path / "m/config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True and cfg["vocab_size"] == 448  # 403 → 64-multiple
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
