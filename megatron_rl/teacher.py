@@ -60,6 +60,10 @@ class OraclePath:
     goals: list[str] = field(default_factory=list)
     start: str | None = None  # the first entity's name when the question gives it
 
+    def goal(self, k: int) -> str:
+        """The goal of the visit of support page k."""
+        return self.goals[k] if k < len(self.goals) else "find the next fact the question needs"
+
 
 def oracle_messages(question: str, path: OraclePath, family: Any, agent: str) -> list[str]:
     """The teacher's messages in episode order (IterSynth's Synthesizer turns are written
@@ -68,8 +72,7 @@ def oracle_messages(question: str, path: OraclePath, family: Any, agent: str) ->
     # grounded demonstration); an abstracted one by the question itself
     calls = [("search", {"query": path.start or question})]
     for k, url in enumerate(path.support):
-        goal = path.goals[k] if k < len(path.goals) else "find the next fact the question needs"
-        calls.append(("visit", {"url": url, "goal": goal}))
+        calls.append(("visit", {"url": url, "goal": path.goal(k)}))
         if k < len(path.bridges) and k + 1 < len(path.support):
             calls.append(("search", {"query": path.bridges[k]}))
     # bare calls and a bare answer: every token a policy must learn is one it can copy
@@ -83,6 +86,10 @@ _VISITED = re.compile(r"^\[\d+\] visit (\{.*\})$", re.M)
 _PAGE_LINE = re.compile(r"^- (.+?): (https?://\S+?)( \(read\))?$")
 READ = " (read)"  # a page line's mark once the page was visited
 NOTHING_YET = "- nothing yet"
+
+
+def _note_lines(notes: str) -> list[str]:
+    return [x for x in notes.splitlines() if x.startswith("- ") and x != NOTHING_YET]
 
 
 def _visited(evidence: str) -> set[str]:
@@ -103,7 +110,7 @@ def oracle_notes(current: str, evidence: str, path: OraclePath) -> str:
     visits next; marked `(read)` once visited, so the notes say what was done) or the first
     sentence of a page naming a bridge entity or the answer (what it searches next, or
     answers)."""
-    lines = [x for x in current.splitlines() if x.startswith("- ") and x != NOTHING_YET]
+    lines = _note_lines(current)
     visited = _visited(evidence)
     lines = [x + READ if (m := _PAGE_LINE.match(x)) and m[2] in visited and not m[3] else x
              for x in lines]
@@ -131,16 +138,14 @@ def oracle_plan_step(question: str, notes: str, path: OraclePath, family: Any) -
     alone, so that a policy can learn it: answer once a fact names the answer; else visit the
     first support page noted but not read; else search the start (no notes yet) or the first
     bridge a fact names whose page is not noted yet."""
-    lines = [x for x in notes.splitlines() if x.startswith("- ") and x != NOTHING_YET]
+    lines = _note_lines(notes)
     pages = [m for x in lines if (m := _PAGE_LINE.match(x))]
     facts = [x for x in lines if not _PAGE_LINE.match(x)]
     if any(path.answer in x for x in facts):
         return f"<answer>{path.answer}</answer>"
     for m in pages:
         if not m[3] and m[2] in path.support:
-            k = path.support.index(m[2])
-            goal = path.goals[k] if k < len(path.goals) else \
-                "find the next fact the question needs"
+            goal = path.goal(path.support.index(m[2]))
             return family.tool_call("visit", {"url": m[2], "goal": goal})
     noted = {m[2] for m in pages}
     for k, bridge in enumerate(path.bridges):

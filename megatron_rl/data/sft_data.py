@@ -208,9 +208,9 @@ def _text_parts(tokenizer: Any, row: Any, where: str, width: int
 
 
 # -- files → examples ----------------------------------------------------------------------
-def _system_prompt_length(tokens: Sequence[int], tokenizer: Any) -> int:
-    """Tokens up to the turn after a leading ChatML system message (0 without one)."""
-    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+def _system_prompt_length(tokens: Sequence[int], tokenizer: Any, start: int) -> int:
+    """Tokens up to the turn after a leading ChatML system message (0 without one); `start`:
+    the id of `<|im_start|>`."""
     if not tokens or tokens[0] != start or \
             not tokenizer.decode(tokens[1:16]).startswith("system"):
         return 0
@@ -236,6 +236,7 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
         stats["context_tokens"] = 0
     examples: list[SFTExample] = []
     draw = random.Random(seed)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     for f in files:
         path, kind = Path(f), None if fmt == "auto" else fmt
         for where, row in iter_rows(path):
@@ -266,7 +267,7 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
                     # copies teaches as much, and each trained position costs a
                     # vocabulary-wide matmul (most of a small model's cost)
                     skip = 0 if draw.random() < system_share else \
-                        _system_prompt_length(tokens, tokenizer)
+                        _system_prompt_length(tokens, tokenizer, im_start)
                     context = [i >= skip and not m and not g for i, (m, g) in
                                enumerate(zip(mask, generated, strict=True))]
                     stats["context_tokens"] += sum(context[1:])
