@@ -108,7 +108,8 @@ def _convert_init_hf(args: argparse.Namespace) -> int:
     spec = get_model_spec(args.model)
     if args.tie_embeddings:
         spec = dataclasses.replace(spec, tie_word_embeddings=True)
-    out = init_hf_model(spec, args.tokenizer, args.out, seed=args.seed)
+    out = init_hf_model(spec, args.tokenizer, args.out, seed=args.seed,
+                        embedding_std=args.embedding_std)
     print(f"[convert] {args.model} with random weights (seed {args.seed}) -> {out}", flush=True)
     return 0
 
@@ -335,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     ini.add_argument("--tie-embeddings", dest="tie_embeddings", action="store_true",
                      help="one matrix for the input embedding and the output layer: a copied "
                      "id's logit is its embedding's self-similarity, even for ids never trained")
+    ini.add_argument("--embedding-std", dest="embedding_std", type=float, default=None,
+                     help="draw the input embedding from N(0, std^2) (default: the "
+                     "architecture's 0.02); tied, a copied id's logit starts as its row's "
+                     "squared norm")
     ini.set_defaults(func=_convert_init_hf)
     m2h = csub2.add_parser("megatron-to-hf", help="torch_dist → HF safetensors (streaming)")
     m2h.add_argument("--ckpt", required=True, help="a step folder, or a run folder with latest")

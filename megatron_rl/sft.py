@@ -43,10 +43,11 @@ CURVES = ("loss", "eval/loss", "grad_norm", "entropy", "lr", "tokens_per_s")
 
 
 def _data(cfg: Config, files: tuple[str, ...], tokenizer: Any, vocab: int,
-          context_weight: float = 0.0) -> SFTData:
+          context_weight: float = 0.0, copy_weight: float = 1.0) -> SFTData:
     return load_sft_data(files, tokenizer, seq_length=cfg.model.seq_length, vocab_size=vocab,
                          fmt=cfg.sft.format, overlong=cfg.sft.overlong,
                          context_weight=context_weight, system_share=cfg.sft.system_loss_share,
+                         context_share=cfg.sft.context_loss_share, copy_weight=copy_weight,
                          seed=cfg.train.seed)
 
 
@@ -75,7 +76,8 @@ def sft(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
     spec = model_spec(cfg.model)
     tokenizer = run_tokenizer(cfg.model.hf_path, cfg.model.name, spec.vocab_size)
     # held-out loss stays on the assistant's tokens alone, whatever the training weights
-    data = _data(cfg, s.train_files, tokenizer, spec.vocab_size, s.context_loss_weight)
+    data = _data(cfg, s.train_files, tokenizer, spec.vocab_size, s.context_loss_weight,
+                 s.copy_loss_weight)
     held_out = _data(cfg, s.val_files, tokenizer, spec.vocab_size) if s.val_files else None
     print(f"[megatron-rl] SFT data: {data.stats}" +
           (f"; held out: {held_out.stats}" if held_out else ""), flush=True)

@@ -161,6 +161,18 @@ def test_chat_row_loss_mask_matches_the_rendered_trajectory(tmp_path):
     assert SYSTEM in system and "user" not in system
     assert nosys.loss_mask[:user] == [0.0] * user
     assert nosys.loss_mask[user:] == wref.loss_mask[user:]
+    # sft.context_loss_share=0.5: about half the context positions, each at 0.25 / 0.5; the
+    # assistant's own tokens all stay at 1
+    (half,) = load_sft_data([traj_path], TOK, seq_length=512, vocab_size=512,
+                            context_weight=0.25, context_share=0.5).examples
+    context = [i for i, w in enumerate(wref.loss_mask) if w == 0.25]
+    kept = [i for i in context if half.loss_mask[i] == 0.5]
+    assert set(kept) | {i for i in context if half.loss_mask[i] == 0.0} == set(context)
+    assert 0.3 < len(kept) / len(context) < 0.7, (len(kept), len(context))
+    assert [m if m == 1 else 0 for m in half.loss_mask] == ref.loss_mask
+    with pytest.raises(DataError, match="context_loss_share=0.0"):
+        load_sft_data([traj_path], TOK, seq_length=512, vocab_size=512, context_weight=0.25,
+                      context_share=0.0)
     # system, user and tool messages alone: nothing to train is an error naming the row
     with pytest.raises(DataError, match=r"c2.jsonl line 1.messages: no assistant message"):
         load_sft_data([write_jsonl(tmp_path / "c2.jsonl", [{"messages": messages[:2]}])], TOK,

@@ -49,3 +49,42 @@ def test_init_hf_ties_the_output_layer_to_the_embedding(tmp_path):
     assert cfg["tie_word_embeddings"] is True and cfg["vocab_size"] == 448  # 403 → 64-multiple
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_init_hf_embedding_std(tmp_path):
+    import transformers
+
+    from megatron_rl.cli import main
+
+    tok = train_chat_tokenizer([TEXT], 400, words=TITLES)
+    tok.save_pretrained(tmp_path / "tok")
+    for name, extra in (("default", []), ("wide", ["--embedding-std", "0.125"])):
+        assert main(["convert", "init-hf", "--model", "tiny-moe", "--tokenizer",
+                     str(tmp_path / "tok"), "--out", str(tmp_path / name),
+                     "--tie-embeddings", *extra]) == 0
+    std = {name: float(transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / name).model.embed_tokens.weight.std()) for name in ("default", "wide")}
+    assert abs(std["default"] - 0.02) < 0.002 and abs(std["wide"] - 0.125) < 0.01, std
+
+
+def test_copy_loss_weight_scales_names_copied_from_the_context(tmp_path):
+    """`sft.copy_loss_weight`: an answer token that repeats a title id from the context gets
+    the weight; a title the context never showed, and every other token, keep theirs."""
+    from megatron_rl.data.sft_data import load_sft_data
+
+    tok = train_chat_tokenizer([TEXT], 400, words=TITLES)
+    row = {"messages": [
+        {"role": "user", "content": "Who founded Dorras Dynamics?"},
+        {"role": "assistant", "content": "Dorras Dynamics was founded by Marur Voelrho."}]}
+    (tmp_path / "c.jsonl").write_text(json.dumps(row) + "\n")
+    args = dict(seq_length=256, vocab_size=len(tok) + 64)
+    (plain,) = load_sft_data([tmp_path / "c.jsonl"], tok, **args).examples
+    data = load_sft_data([tmp_path / "c.jsonl"], tok, copy_weight=5.0, **args)
+    (weighted,) = data.examples
+    copied, unseen = tok.convert_tokens_to_ids(["Dorras Dynamics", "Marur Voelrho"])
+    assert data.stats["copy_tokens"] == 1
+    for i, (t, before, after) in enumerate(zip(plain.tokens, plain.loss_mask,
+                                               weighted.loss_mask, strict=True)):
+        expected = 5.0 if (t == copied and before == 1) else before
+        assert after == expected, (i, tok.convert_ids_to_tokens(t), before, after)
+    assert unseen in plain.tokens and copied in plain.tokens

@@ -14,9 +14,13 @@ from megatron_rl.models.registry import ModelSpec
 
 
 def init_hf_model(spec: ModelSpec, tokenizer_dir: str | Path, out: str | Path, *,
-                  seed: int = 0, vocab_multiple: int = 64) -> Path:
+                  seed: int = 0, vocab_multiple: int = 64,
+                  embedding_std: float | None = None) -> Path:
     """`out`: config.json, safetensors and the tokenizer files of `tokenizer_dir`; the
-    embedding holds the tokenizer's ids rounded up to `vocab_multiple`."""
+    embedding holds the tokenizer's ids rounded up to `vocab_multiple`. `embedding_std`:
+    the input embedding drawn from N(0, std²) instead of the architecture's init (0.02);
+    with tied embeddings a copied id's logit starts as its row's squared norm
+    (benchmarks/copy_probe.py compares)."""
     import torch
     import transformers
 
@@ -35,6 +39,11 @@ def init_hf_model(spec: ModelSpec, tokenizer_dir: str | Path, out: str | Path, *
     spec = dataclasses.replace(spec, vocab_size=vocab)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(spec.hf_config())
+    if embedding_std is not None:
+        if not embedding_std > 0:
+            raise ValueError(f"embedding_std={embedding_std}: must be > 0")
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, embedding_std)
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

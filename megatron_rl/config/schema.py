@@ -154,6 +154,15 @@ class SFTConfig:
                                        "whose system prompt context_loss_weight trains too (a "
                                        "seeded draw): the same text in every sequence, and "
                                        "each trained position costs a vocabulary matmul")
+    context_loss_share: float = bounded(1.0, gt=0.0, le=1.0, help="share of the other context "
+                                        "positions trained (a seeded draw per position, each "
+                                        "at context_loss_weight / share: the same expected "
+                                        "loss for fewer output-layer rows)")
+    copy_loss_weight: float = bounded(1.0, ge=0.0, help="loss weight of the assistant's "
+                                      "tokens that copy a name from the context (an added "
+                                      "word of the tokenizer: data tokenizer --title-tokens): "
+                                      "> 1 makes copying, a few percent of the targets, worth "
+                                      "learning before the rest is memorised")
 
 
 @dataclass

@@ -208,6 +208,27 @@ def _text_parts(tokenizer: Any, row: Any, where: str, width: int
 
 
 # -- files → examples ----------------------------------------------------------------------
+def _added_words(tokenizer: Any) -> frozenset[int]:
+    """Ids of the tokenizer's added words (titles, URLs): added tokens that are neither
+    special nor `<…>` markup."""
+    return frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if not t.special
+                     and not (t.content.startswith("<") and t.content.endswith(">")))
+
+
+def _weigh_copies(tokens: Sequence[int], mask: list[float], words: frozenset[int],
+                  weight: float) -> tuple[list[float], int]:
+    """`mask` with every trained added word that already occurred untrained (in the
+    context) scaled by `weight`; and how many there were."""
+    seen: set[int] = set()
+    out, copies = list(mask), 0
+    for i, (t, m) in enumerate(zip(tokens, mask, strict=True)):
+        if m == 1.0 and t in words and t in seen:
+            out[i], copies = weight, copies + 1
+        elif m != 1.0:
+            seen.add(t)
+    return out, copies
+
+
 def _system_prompt_length(tokens: Sequence[int], tokenizer: Any, start: int) -> int:
     """Tokens up to the turn after a leading ChatML system message (0 without one); `start`:
     the id of `<|im_start|>`."""
@@ -220,15 +241,21 @@ def _system_prompt_length(tokens: Sequence[int], tokenizer: Any, start: int) -> 
 def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: int,
                   vocab_size: int, fmt: str = "auto", overlong: str = "truncate",
                   context_weight: float = 0.0, system_share: float = 1.0,
+                  context_share: float = 1.0, copy_weight: float = 1.0,
                   seed: int = 0) -> SFTData:
     """Every sequence of `files`, in file and row order, cut or dropped to fit `seq_length`.
     `context_weight` > 0 also trains the context tokens (prompts, observations; never a
     masked turn's) with that loss weight; the system prompt only in a `system_share` of the
-    sequences (a draw seeded with `seed`)."""
+    sequences, and a `context_share` of the other context positions, each kept at weight
+    `context_weight / context_share` (the same expected loss; draws seeded with `seed`).
+    `copy_weight` scales the assistant's tokens that copy a name from the context (an added
+    word of the tokenizer, `data tokenizer --title-tokens`, seen earlier in the sequence)."""
     if fmt not in FORMATS:
         raise DataError(f"sft.format={fmt!r}: one of {', '.join(FORMATS)}")
     if overlong not in ("truncate", "drop"):
         raise DataError(f"sft.overlong={overlong!r}: 'truncate' or 'drop'")
+    if not 0.0 < context_share <= 1.0:
+        raise DataError(f"sft.context_loss_share={context_share}: in (0, 1]")
     width = seq_length + 1
     stats = dict.fromkeys(("rows", "sequences", "truncated", "dropped_overlong",
                            "dropped_untrained", "trained_tokens"), 0)
@@ -237,6 +264,9 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
     examples: list[SFTExample] = []
     draw = random.Random(seed)
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    words = _added_words(tokenizer) if copy_weight != 1.0 else frozenset()
+    if words:
+        stats["copy_tokens"] = 0
     for f in files:
         path, kind = Path(f), None if fmt == "auto" else fmt
         for where, row in iter_rows(path):
@@ -262,16 +292,21 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
                     continue
                 stats["sequences"] += 1
                 stats["trained_tokens"] += trained
+                if words:
+                    mask, copies = _weigh_copies(tokens, mask, words, copy_weight)
+                    stats["copy_tokens"] += copies
                 if context_weight:
                     # the system prompt is the same text in every sequence: a share of its
                     # copies teaches as much, and each trained position costs a
                     # vocabulary-wide matmul (most of a small model's cost)
                     skip = 0 if draw.random() < system_share else \
                         _system_prompt_length(tokens, tokenizer, im_start)
-                    context = [i >= skip and not m and not g for i, (m, g) in
-                               enumerate(zip(mask, generated, strict=True))]
+                    context = [i >= skip and not m and not g and
+                               (context_share == 1.0 or draw.random() < context_share)
+                               for i, (m, g) in enumerate(zip(mask, generated, strict=True))]
                     stats["context_tokens"] += sum(context[1:])
-                    mask = [context_weight if c else float(m) for m, c in zip(mask, context)]
+                    weight = context_weight / context_share
+                    mask = [weight if c else float(m) for m, c in zip(mask, context)]
                 examples.append(SFTExample(tokens, mask, where))
     if not examples:
         raise DataError(f"no sequence to train on in {', '.join(map(str, files)) or '(none)'} "
