@@ -88,3 +88,9 @@ def test_copy_loss_weight_scales_names_copied_from_the_context(tmp_path):
         expected = 5.0 if (t == copied and before == 1) else before
         assert after == expected, (i, tok.convert_ids_to_tokens(t), before, after)
     assert unseen in plain.tokens and copied in plain.tokens
+    # weight 0 drops the copies from the loss; they do not turn into context tokens
+    (dropped,) = load_sft_data([tmp_path / "c.jsonl"], tok, copy_weight=0.0,
+                               context_weight=0.25, **args).examples
+    at = next(i for i, (t, m) in enumerate(zip(plain.tokens, plain.loss_mask, strict=True))
+              if t == copied and m == 1)
+    assert dropped.loss_mask[at] == 0.0 and dropped.loss_mask.count(0.25) > 0

@@ -292,6 +292,7 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
                     continue
                 stats["sequences"] += 1
                 stats["trained_tokens"] += trained
+                trained_mask = mask
                 if words:
                     mask, copies = _weigh_copies(tokens, mask, words, copy_weight)
                     stats["copy_tokens"] += copies
@@ -303,7 +304,8 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
                         _system_prompt_length(tokens, tokenizer, im_start)
                     context = [i >= skip and not m and not g and
                                (context_share == 1.0 or draw.random() < context_share)
-                               for i, (m, g) in enumerate(zip(mask, generated, strict=True))]
+                               for i, (m, g) in enumerate(zip(trained_mask, generated,
+                                                              strict=True))]
                     stats["context_tokens"] += sum(context[1:])
                     weight = context_weight / context_share
                     mask = [weight if c else float(m) for m, c in zip(mask, context)]
