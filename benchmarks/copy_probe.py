@@ -9,7 +9,7 @@ only by copying. `--prefix` puts a fixed filler "system prompt" in front (the qu
 Planner contexts carry ~650 tokens of tool specs); `--warm N` trains the first N steps without
 it (a short-context curriculum).
 
-    python benchmarks/copy_probe.py                   # the default table: ~3 min on 2 cores
+    python benchmarks/copy_probe.py                   # the default table: ~1.5 min on 2 cores
     python benchmarks/copy_probe.py --prefix 650      # long contexts: ~2 s a step at hidden 128
 
 Measured here (2 cores, 200 steps, batch 32, ~1.5 min in all): the learning rate decides.

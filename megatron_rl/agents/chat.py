@@ -25,16 +25,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_rl.agents.formats import ChatFamily, chat_family
+from megatron_rl.utils.tokens import is_markup
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 GENERATION_PROMPT = f"{IM_START}assistant\n"
 TRUNCATED = " …[truncated]"
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def is_markup(token: str) -> bool:
-    return token.startswith("<") and token.endswith(">") and len(token) > 2
 
 
 class UnsafeTextError(AssertionError):

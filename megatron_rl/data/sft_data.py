@@ -44,6 +44,7 @@ import torch
 from megatron_rl.data.parquet import DataError, check_messages, iter_rows
 from megatron_rl.records.batch import TokenBatch
 from megatron_rl.records.trajectory import Trajectory
+from megatron_rl.utils.tokens import added_word_ids
 
 FORMATS = ("auto", "trajectories", "messages", "text")
 IGNORED_TRAJECTORY_KEYS = ("step",)  # written by `megatron-rl train`'s trajectories.jsonl
@@ -208,13 +209,6 @@ def _text_parts(tokenizer: Any, row: Any, where: str, width: int
 
 
 # -- files → examples ----------------------------------------------------------------------
-def _added_words(tokenizer: Any) -> frozenset[int]:
-    """Ids of the tokenizer's added words (titles, URLs): added tokens that are neither
-    special nor `<…>` markup."""
-    return frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if not t.special
-                     and not (t.content.startswith("<") and t.content.endswith(">")))
-
-
 def _weigh_copies(tokens: Sequence[int], mask: list[float], words: frozenset[int],
                   weight: float) -> tuple[list[float], int]:
     """`mask` with every trained added word that already occurred untrained (in the
@@ -264,7 +258,7 @@ def load_sft_data(files: Sequence[str | Path], tokenizer: Any, *, seq_length: in
     examples: list[SFTExample] = []
     draw = random.Random(seed)
     im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    words = _added_words(tokenizer) if copy_weight != 1.0 else frozenset()
+    words = added_word_ids(tokenizer) if copy_weight != 1.0 else frozenset()
     if words:
         stats["copy_tokens"] = 0
     for f in files:
