@@ -32,7 +32,9 @@ class Budget:
     pages: int = 8000        # ~210 unique-step questions (30000 pages: ~470, a lower
     questions: int = 300     # held-out SFT loss, but 28 min end to end)
     held_out_fraction: float = 0.2
-    vocab_size: int = 2048
+    one_hop_questions: int = 3000  # extra one-hop SFT episodes, none touching a held-out page
+    vocab_size: int = 2048   # BPE merges; every page title and URL is one more id on top
+    pretrain_steps: int = 300      # next-token steps on page windows before SFT
     sft_steps: int = 200
     rl_steps: int = 8
     eval_questions: int = 0        # 0: the whole held-out split
@@ -41,10 +43,21 @@ class Budget:
 
 
 FULL = Budget()
-SMOKE = Budget(pages=1500, questions=40, held_out_fraction=0.2, vocab_size=512, sft_steps=2,
-               rl_steps=1, eval_questions=4, step_episodes=2,
+SMOKE = Budget(pages=1500, questions=40, held_out_fraction=0.2, one_hop_questions=20,
+               vocab_size=512, pretrain_steps=2, sft_steps=2, rl_steps=1, eval_questions=4,
+               step_episodes=2,
                extra_rl=("rl.sampling.groups_per_step=1", "rl.sampling.samples_per_prompt=2",
                          "rl.max_turns=4", "rl.max_new_tokens=32"))
+
+# The policy and its SFT, and why (docs/sft.md, "Copying a name"): a held-out answer is an
+# entity SFT never showed, so the agent must copy names (one id each: --title-tokens) from the
+# question and the results into its queries, URLs and notes. The 64-wide tiny-moe at lr 1e-2
+# never learned that; 128-wide at lr 1e-3, pre-trained on page windows first, with copied
+# names weighted 5x and one-hop episodes for variety, did.
+MODEL = "tiny-moe-wide"
+INIT = ("--tie-embeddings", "--embedding-std", "0.125")
+SFT_OPTIM = ("optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=10")
+PRETRAIN_SEQ = 96
 
 
 @dataclass
@@ -61,10 +74,12 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
     index, model, tok = w / "index", out / "model", out / "tokenizer"
     held_out = q / "held_out.parquet"
     agents = ("itersynth", "react") if react else ("itersynth",)
-    kept = [str(t / f"{agent}.kept.jsonl") for agent in agents]
     ev = ["--agent", "itersynth", "--questions", str(held_out), "--index", str(index),
           "--max-turns", "12", "--max-new-tokens", "160", "--temperature", "0",
           *(["--limit", str(b.eval_questions)] if b.eval_questions else [])]
+    one_hop = q / "one_hop"
+    demos = [*agents, "one_hop"]
+    kept = [str(t / f"{name}.kept.jsonl") for name in demos]
     out_list = [
         Stage("world", ["data", "world", "--pages", str(b.pages), "--seed", str(seed),
                         "--out", str(w / "corpus.parquet"), "--index", str(index)],
@@ -74,30 +89,49 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
                             "--min-hops", "2", "--max-hops", "2", "--anchor", "named",
                             "--unique-steps", "--held-out-fraction", str(b.held_out_fraction),
                             "--out", str(q)], held_out),
+        Stage("questions-one-hop", [
+            "data", "synthesize", "--pages", str(b.pages), "--seed", str(seed + 1),
+            "--questions", str(b.one_hop_questions), "--max-seeds", str(4 * b.pages),
+            "--min-hops", "1", "--max-hops", "1", "--anchor", "named", "--unique-steps",
+            "--held-out-fraction", "0", "--avoid", str(held_out), "--out", str(one_hop)],
+            one_hop / "train.parquet"),
         Stage("tokenizer", ["data", "tokenizer", "--corpus", str(w / "corpus.parquet"),
-                            "--out", str(tok), "--vocab-size", str(b.vocab_size)], tok),
-        Stage("model", ["convert", "init-hf", "--model", "tiny-moe", "--tokenizer", str(tok),
-                        "--out", str(model), "--seed", str(seed)], model),
+                            "--out", str(tok), "--vocab-size", str(b.vocab_size),
+                            "--title-tokens"], tok),
+        Stage("model", ["convert", "init-hf", "--model", MODEL, "--tokenizer", str(tok),
+                        "--out", str(model), "--seed", str(seed), *INIT], model),
     ]
-    for agent in agents:
-        out_list.append(Stage(f"teacher-{agent}", [
-            "data", "teacher", "--agent", agent, "--questions", str(q / "train.parquet"),
-            "--index", str(index), "--tokenizer", str(tok),
-            "--out", str(t / f"{agent}.jsonl")], t / f"{agent}.jsonl"))
-        out_list.append(Stage(f"filter-{agent}", [
-            "data", "filter", str(t / f"{agent}.jsonl"), str(t / f"{agent}.kept.jsonl"),
-            "--min-depth", "2", "--report", str(t / f"filter-{agent}.json")],
-            t / f"{agent}.kept.jsonl"))
+    for name in demos:
+        questions = one_hop / "train.parquet" if name == "one_hop" else q / "train.parquet"
+        out_list.append(Stage(f"teacher-{name}", [
+            "data", "teacher", "--agent", "itersynth" if name == "one_hop" else name,
+            "--questions", str(questions), "--index", str(index), "--tokenizer", str(tok),
+            "--out", str(t / f"{name}.jsonl")], t / f"{name}.jsonl"))
+        out_list.append(Stage(f"filter-{name}", [
+            "data", "filter", str(t / f"{name}.jsonl"), str(t / f"{name}.kept.jsonl"),
+            "--min-depth", "1" if name == "one_hop" else "2",
+            "--report", str(t / f"filter-{name}.json")], t / f"{name}.kept.jsonl"))
     out_list.append(Stage("teacher-held-out", [
         "data", "teacher", "--agent", "itersynth", "--questions", str(held_out),
         "--index", str(index), "--tokenizer", str(tok),
         "--out", str(t / "held_out.jsonl")], t / "held_out.jsonl"))
     out_list += [
+        Stage("pretrain", ["sft", "tiny-moe-sft-cpu", f"model.hf_path={model}",
+                           f"model.seq_length={PRETRAIN_SEQ}", "sft.format=text",
+                           f"sft.train_files=[{w / 'corpus.parquet'}]", *SFT_OPTIM,
+                           f"train.steps={b.pretrain_steps}", "train.global_batch_size=32",
+                           "train.max_tokens_per_microbatch=1600", f"train.seed={seed}",
+                           f"train.output_dir={out / 'pretrain'}",
+                           f"checkpoint.dir={out / 'pretrain/checkpoints'}",
+                           "checkpoint.save_every=0", "checkpoint.export_hf=false"],
+              out / "pretrain/checkpoints"),
         Stage("sft", ["sft", "tiny-moe-sft-cpu", f"model.hf_path={model}",
+                      f"checkpoint.init_from={out / 'pretrain/checkpoints'}",
                       "model.seq_length=1536", f"sft.train_files=[{','.join(kept)}]",
                       f"sft.val_files=[{t / 'held_out.jsonl'}]", "sft.eval_every=20",
                       "sft.eval_sequences=64", f"train.steps={b.sft_steps}",
-                      "train.global_batch_size=16", "sft.context_loss_weight=0.2",
+                      "train.global_batch_size=16", *SFT_OPTIM, "sft.copy_loss_weight=5",
+                      "sft.context_loss_weight=0.2", "sft.context_loss_share=0.3",
                       "train.max_tokens_per_microbatch=4096", f"train.seed={seed}",
                       f"train.output_dir={out / 'sft'}",
                       f"checkpoint.dir={out / 'sft/checkpoints'}", "checkpoint.save_every=0",

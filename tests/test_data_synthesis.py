@@ -219,6 +219,42 @@ def test_synthesize_subcommand(tmp_path, capsys):
     assert len(read_prompts([out / "train.parquet", out / "held_out.parquet"])) == 25
 
 
+def test_avoid_keeps_an_extra_training_set_off_the_held_out_pages(tmp_path, capsys):
+    """`--avoid held_out.parquet`: one-hop questions for SFT that share no support page and no
+    answer entity with the held-out split (else the extra set would leak its answers)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_synthesize_parser(sub)
+
+    def run(*extra):
+        args = parser.parse_args(["synthesize", "--pages", "600", "--seed", "3", *extra])
+        assert args.func(args) == 0
+
+    run("--questions", "40", "--min-hops", "2", "--max-hops", "2", "--held-out-fraction", "0.3",
+        "--out", str(tmp_path / "two"))
+    held = pq.read_table(tmp_path / "two/held_out.parquet").to_pylist()
+    pages = {u for r in held for u in r["extra_info"]["support"]}
+    answers = {r["extra_info"]["answer_entity"] for r in held}
+    capsys.readouterr()
+    run("--questions", "60", "--min-hops", "1", "--max-hops", "1", "--held-out-fraction", "0",
+        "--avoid", str(tmp_path / "two/held_out.parquet"), "--out", str(tmp_path / "one"))
+    counts = json.loads((tmp_path / "one/counts.json").read_text())
+    rows = pq.read_table(tmp_path / "one/train.parquet").to_pylist()
+    assert counts["rejected:avoided"] > 0 and len(rows) == counts["kept"] > 10
+    assert not (tmp_path / "one/held_out.parquet").exists()
+    for r in rows:
+        assert r["extra_info"]["hops"] == 1
+        assert not pages & set(r["extra_info"]["support"]), r["prompt"]
+        assert r["extra_info"]["answer_entity"] not in answers
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "q", "extra_info": {"split": "x"}}]), bad)
+    with pytest.raises(ValueError, match=r"bad.parquet: row 0: no extra_info.support"):
+        run("--questions", "5", "--avoid", str(bad), "--out", str(tmp_path / "x"))
+
+
 # -- the LLM path, against a real HTTP fake ---------------------------------------------------
 
 PAGES_LLM = [

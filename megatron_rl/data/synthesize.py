@@ -512,12 +512,45 @@ def sample_seeds(graph: PageGraph, n: int, rng: random.Random, depth: int, max_p
                    {u: (graph.pages[u][0], graph.pages[u][1][:text_budget]) for u in sub})
 
 
+@dataclass(frozen=True)
+class Avoid:
+    """Pages and answer entities another question set uses (`Avoid.of_parquet`)."""
+
+    pages: frozenset[str]
+    answers: frozenset[str]
+
+    def touches(self, qa: QA) -> bool:
+        return (qa.answer_key in self.answers or qa.start_url in self.pages
+                or not self.pages.isdisjoint(qa.support))
+
+    @classmethod
+    def of_parquet(cls, paths: Sequence[str | Path]) -> Avoid:
+        """From verl parquet files this module wrote (`extra_info.support/answer_entity`)."""
+        import pyarrow.parquet as pq
+
+        pages: set[str] = set()
+        answers: set[str] = set()
+        for path in paths:
+            for i, row in enumerate(pq.read_table(path).to_pylist()):
+                info = row.get("extra_info")
+                if not isinstance(info, dict) or not isinstance(info.get("support"), list):
+                    raise ValueError(f"{path}: row {i}: no extra_info.support (--avoid takes "
+                                     "question files written by `data synthesize`)")
+                pages.update(str(u) for u in info["support"])
+                if info.get("answer_entity") is not None:
+                    answers.add(str(info["answer_entity"]))
+        return cls(frozenset(pages), frozenset(answers))
+
+
 async def synthesize(graph: PageGraph, synth: Synthesizer, num_questions: int, *, seed: int = 0,
                      max_seeds: int | None = None, depth: int = 3, max_pages: int = 48,
                      text_budget: int = 1500, answer_urls: Sequence[str] | None = None,
+                     avoid: Avoid | None = None,
                      progress: Callable[[str], None] | None = print) -> SynthesisResult:
     """Run the stages until `num_questions` are kept or `max_seeds` (default 4×) are spent.
-    Seeds are processed one after the other: the same inputs give the same questions."""
+    Seeds are processed one after the other: the same inputs give the same questions.
+    `avoid`: questions touching its pages or answers are dropped (an extra training set that
+    must not leak a held-out split)."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     counts: Counter[str] = Counter(pages=len(graph.pages), links=graph.num_links)
@@ -539,6 +572,9 @@ async def synthesize(graph: PageGraph, synth: Synthesizer, num_questions: int, *
             counts[f"rejected:verify:{verdict.reason}"] += 1
             continue
         qa = synth.to_qa(candidate)
+        if avoid is not None and avoid.touches(qa):
+            counts["rejected:avoided"] += 1
+            continue
         if qa.question in questions:
             counts["rejected:duplicate"] += 1
             continue
@@ -629,6 +665,10 @@ def add_synthesize_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-pages", type=int, default=48, help="pages per expanded subgraph")
     p.add_argument("--text-budget", type=int, default=1500, help="characters kept per page")
     p.add_argument("--held-out-fraction", type=float, default=0.1)
+    p.add_argument("--avoid", action="append", default=[], metavar="PARQUET",
+                   help="drop questions that touch a support page or an answer entity of "
+                   "these questions (e.g. a held-out split an extra training set must not "
+                   "leak); repeatable")
     p.add_argument("--out", required=True, help="folder for train.parquet, held_out.parquet, "
                    "counts.json")
     p.add_argument("--synthesizer", choices=("rule", "llm"), default="rule")
@@ -677,7 +717,8 @@ async def _run(a: argparse.Namespace) -> int:
         synth = LLMSynthesizer(main, DualCriteriaVerifier(ref, judge), a.min_hops)
     try:
         result = await synthesize(graph, synth, a.questions, seed=a.seed, max_seeds=a.max_seeds,
-                                  max_pages=a.max_pages, text_budget=a.text_budget)
+                                  max_pages=a.max_pages, text_budget=a.text_budget,
+                                  avoid=Avoid.of_parquet(a.avoid) if a.avoid else None)
     finally:
         for c in clients:
             await c.close()
