@@ -5,20 +5,39 @@ from the same registry entry (identical parameter count), trained with torch Ada
 batch. It runs first, before the Megatron CPU shims touch torch. Prints both and their ratio.
 
     python benchmarks/megatron_cpu_step.py [--model tiny-moe] [--batch 8] [--seq 256]
+        [--vocab N] [--profile]
+
+`--profile` prints, for each side, the operators with the most CPU time in one step (torch
+profiler): where the Megatron step loses against the plain one.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import torch
 
 
-def _time_steps(step, warmup: int, steps: int) -> list[float]:
+def _profile(step, title: str, rows: int = 18) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    print(f"-- {title}: top operators by self CPU time, one step")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+PROFILE = False
+
+
+def _time_steps(step, warmup: int, steps: int, title: str = "") -> list[float]:
     for _ in range(warmup):
         step()
+    if PROFILE:
+        _profile(step, title)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -41,12 +60,11 @@ def plain_pytorch(spec, tokens: torch.Tensor, warmup: int, steps: int) -> tuple[
         out.loss.backward()
         opt.step()
 
-    times = _time_steps(step, warmup, steps)
+    times = _time_steps(step, warmup, steps, "plain PyTorch")
     return statistics.median(times), sum(p.numel() for p in model.parameters())
 
 
-def megatron(model_name: str, tokens: torch.Tensor, warmup: int, steps: int
-             ) -> tuple[float, int]:
+def megatron(spec, tokens: torch.Tensor, warmup: int, steps: int) -> tuple[float, int]:
     from megatron_rl.config.loader import load_config
     from megatron_rl.distributed.process_groups import init_distributed
     from megatron_rl.records.batch import TokenBatch
@@ -55,12 +73,12 @@ def megatron(model_name: str, tokens: torch.Tensor, warmup: int, steps: int
 
     rows, seq = tokens.shape[0], tokens.shape[1] - 1
     init_distributed("gloo")
-    cfg = load_config(None, [f"model.name={model_name}", f"model.seq_length={seq}",
+    cfg = load_config(None, [f"model.name={spec.name}", f"model.seq_length={seq}",
                              f"train.global_batch_size={rows}", f"train.micro_batch_size={rows}",
                              "optim.lr=1e-3"])
-    actor = MegatronActor(cfg)
+    actor = MegatronActor(cfg, spec)
     batch = TokenBatch.from_sequences(tokens)
-    times = _time_steps(lambda: actor.train_step(batch, lm_loss), warmup, steps)
+    times = _time_steps(lambda: actor.train_step(batch, lm_loss), warmup, steps, "Megatron")
     return statistics.median(times), sum(p.numel() for p in actor.parameters().values())
 
 
@@ -72,7 +90,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=0, help="override the entry's vocabulary")
+    p.add_argument("--profile", action="store_true")
     args = p.parse_args()
+    global PROFILE
+    PROFILE = args.profile
 
     from megatron_rl.models.registry import get_model_spec
     from megatron_rl.utils.logs import quiet_libraries
@@ -80,12 +102,14 @@ def main() -> None:
     quiet_libraries()
     torch.set_num_threads(args.threads)
     spec = get_model_spec(args.model)
+    if args.vocab:
+        spec = dataclasses.replace(spec, vocab_size=args.vocab)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (args.batch, args.seq + 1), generator=g)
     n_tokens = args.batch * args.seq
 
     t_plain, n_plain = plain_pytorch(spec, tokens, args.warmup, args.steps)
-    t_mcore, n_mcore = megatron(args.model, tokens, args.warmup, args.steps)
+    t_mcore, n_mcore = megatron(spec, tokens, args.warmup, args.steps)
     plain_tps, mcore_tps = n_tokens / t_plain, n_tokens / t_mcore
     print(f"model {args.model}: {n_mcore:,} params (plain PyTorch: {n_plain:,}); "
           f"batch {args.batch}x{args.seq}, fp32, {args.threads} threads, median of {args.steps}")

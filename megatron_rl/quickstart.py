@@ -78,7 +78,7 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
           "--max-turns", "12", "--max-new-tokens", "160", "--temperature", "0",
           *(["--limit", str(b.eval_questions)] if b.eval_questions else [])]
     one_hop = q / "one_hop"
-    demos = [*agents, "one_hop"]
+    demos = [*agents, "one-hop"]
     kept = [str(t / f"{name}.kept.jsonl") for name in demos]
     out_list = [
         Stage("world", ["data", "world", "--pages", str(b.pages), "--seed", str(seed),
@@ -102,14 +102,14 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
                         "--out", str(model), "--seed", str(seed), *INIT], model),
     ]
     for name in demos:
-        questions = one_hop / "train.parquet" if name == "one_hop" else q / "train.parquet"
+        questions = one_hop / "train.parquet" if name == "one-hop" else q / "train.parquet"
         out_list.append(Stage(f"teacher-{name}", [
-            "data", "teacher", "--agent", "itersynth" if name == "one_hop" else name,
+            "data", "teacher", "--agent", "itersynth" if name == "one-hop" else name,
             "--questions", str(questions), "--index", str(index), "--tokenizer", str(tok),
             "--out", str(t / f"{name}.jsonl")], t / f"{name}.jsonl"))
         out_list.append(Stage(f"filter-{name}", [
             "data", "filter", str(t / f"{name}.jsonl"), str(t / f"{name}.kept.jsonl"),
-            "--min-depth", "1" if name == "one_hop" else "2",
+            "--min-depth", "1" if name == "one-hop" else "2",
             "--report", str(t / f"filter-{name}.json")], t / f"{name}.kept.jsonl"))
     out_list.append(Stage("teacher-held-out", [
         "data", "teacher", "--agent", "itersynth", "--questions", str(held_out),

@@ -41,6 +41,15 @@ def save_initial(folder: str, overrides: list[str] = ()) -> None:
     save_checkpoint(actor, folder)
 
 
+def save_and_list_children(folder: str) -> list[str]:
+    """Save, then the child processes this rank has: megatron's writer would spawn a
+    multiprocessing Manager (a whole Python) on the first save without our in-process queue."""
+    import multiprocessing
+
+    save_checkpoint(make_actor([]), folder)
+    return [p.name for p in multiprocessing.active_children()]
+
+
 def two_steps(overrides: list[str], init: str, save: str | None) -> dict[str, float]:
     """Load the shared initial weights, step, (save), step again. Returns the numbers."""
     actor = make_actor(overrides)

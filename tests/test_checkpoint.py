@@ -41,6 +41,12 @@ def test_resume_after_kill_is_bit_identical(tmp_path, world, layout):
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_save_starts_no_process(tmp_path):
+    """The first save of a rank used to spawn megatron's results Manager (~5 s, each rank)."""
+    assert get_pool(1).run(dist_cases.save_and_list_children, str(tmp_path / "c"))[0] == []
+    assert (tmp_path / "c" / "step_000000" / MANIFEST).is_file()
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("damaged")

@@ -135,8 +135,9 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     out = tmp_path / "qs"
     _cli("quickstart", "--out", str(out), "--smoke", timeout=900)
     state = json.loads((out / "stages.json").read_text())
-    assert list(state) == ["world", "questions", "tokenizer", "model", "teacher-itersynth",
-                           "filter-itersynth", "teacher-held-out", "sft", "rl",
+    assert list(state) == ["world", "questions", "questions-one-hop", "tokenizer", "model",
+                           "teacher-itersynth", "filter-itersynth", "teacher-one-hop",
+                           "filter-one-hop", "teacher-held-out", "pretrain", "sft", "rl",
                            "eval-untrained", "eval-sft", "eval-rl", "steps-untrained",
                            "steps-sft", "steps-rl"]
     for path in ("world/index", "questions/held_out.parquet", "tokenizer/tokenizer.json",
@@ -150,6 +151,12 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     held = {r["extra_info"]["answer_entity"]
             for r in pq.read_table(out / "questions/held_out.parquet").to_pylist()}
     assert train and held and not train & held
+    # the extra one-hop SFT questions touch no held-out page either
+    one_hop = pq.read_table(out / "questions/one_hop/train.parquet").to_pylist()
+    held_pages = {u for r in pq.read_table(out / "questions/held_out.parquet").to_pylist()
+                  for u in r["extra_info"]["support"]}
+    assert one_hop and all(not held_pages & set(r["extra_info"]["support"]) for r in one_hop)
+    assert json.loads((out / "model/config.json").read_text())["tie_word_embeddings"] is True
     text = (out / "report.md").read_text()
     table = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \| (\d+) \|", text, re.M)
     assert [t[0] for t in table] == ["untrained", "sft", "rl"]

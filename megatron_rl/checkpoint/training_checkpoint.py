@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import re
 import shutil
@@ -323,6 +324,16 @@ def save_checkpoint(actor, root: str | Path, progress: dict[str, Any] | None = N
     return write_sharded(state, Path(root), f"step_{actor.step:06d}", info, keep_last)
 
 
+def _in_process_write_results() -> None:
+    """megatron's file writer returns its results through a multiprocessing Manager queue that
+    it creates on first use by spawning a Python process (~5 s on every rank's first save). A
+    synchronous save runs the writer in this process, where a plain queue does the same."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def write_sharded(state: dict[str, Any] | None, root: Path, name: str, info: dict[str, Any],
                   keep_last: int | None = None, update_latest: bool = True,
                   save: Callable[[Path], None] | None = None) -> Path:
@@ -341,6 +352,7 @@ def write_sharded(state: dict[str, Any] | None, root: Path, name: str, info: dic
         if save is not None:
             save(tmp)
         else:
+            _in_process_write_results()
             dist_checkpointing.save(state, str(tmp))
     except BaseException:
         if _rank() == 0:  # nothing half-written stays behind

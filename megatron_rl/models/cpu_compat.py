@@ -277,8 +277,7 @@ def _causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
 
 def ensure_gdn_kernels() -> None:
     """Pure-PyTorch Gated DeltaNet kernels where fla's are missing (megatron's own torch
-    chunked delta rule, a depthwise conv, an l2norm), and eager instead of torch.compile for
-    GDN's fused helpers on CPU (inductor would compile C++ on every new shape)."""
+    chunked delta rule, a depthwise conv, an l2norm)."""
     from megatron.core.ssm.gated_delta_net import common, gdn
 
     if not common.HAVE_FLA:
@@ -286,11 +285,20 @@ def ensure_gdn_kernels() -> None:
         common.l2norm = _l2norm
         gdn.causal_conv1d = _causal_conv1d
         gdn.chunk_gated_delta_rule = common.torch_chunk_gated_delta_rule
-    if not torch.cuda.is_available():
-        for name in ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule",
-                     "_compute_g_and_beta"):
-            fn = getattr(common._GDNBase, name)
-            setattr(common._GDNBase, name, getattr(fn, "__wrapped__", fn))
+
+
+# -- eager: megatron's `jit_fuser` is torch.compile -------------------------------------------
+def _apply_eager() -> None:
+    # On a CPU, inductor compiles C++ with g++ for every new shape of each fused helper (the
+    # attention output gate, the router, GDN's): 29 s in tiny-qwen3.5's first step with a cold
+    # cache, 5 s again at the second sequence length. Eager is the same math.
+    torch.compiler.set_stance("force_eager")
+
+
+def _probe_eager() -> bool:
+    import megatron.core.jit
+
+    return megatron.core.jit.jit_fuser is torch.compile
 
 
 def _probe_gdn() -> bool:
@@ -318,6 +326,8 @@ SHIMS: tuple[Shim, ...] = (
          _apply_adamstep, _probe_adamstep),
     Shim("gdn", "Gated DeltaNet needs flash-linear-attention (Triton)", ensure_gdn_kernels,
          _probe_gdn),
+    Shim("eager", "fused helpers are torch.compile (inductor compiles C++ per shape)",
+         _apply_eager, _probe_eager),
 )
 
 
