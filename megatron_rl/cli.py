@@ -272,12 +272,29 @@ def _launch(fn, nproc: int, *args, backend: str = "auto") -> list:
         return pool.run(fn, *args, timeout=24 * 3600)
 
 
+def _main_in_process(argv: list[str]) -> int:
+    """`megatron-rl ARGV` in this process, with the exit code a separate process would give."""
+    import traceback
+
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse, or a command that exits
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
 def _quickstart(args: argparse.Namespace) -> int:
     """The embedded default end to end (megatron_rl/quickstart.py)."""
     from megatron_rl.quickstart import quickstart
 
     try:
-        quickstart(Path(args.out), seed=args.seed, smoke=args.smoke, ablation=args.ablation)
+        quickstart(Path(args.out), seed=args.seed, smoke=args.smoke, ablation=args.ablation,
+                   run=_main_in_process)
     except (RuntimeError, FileNotFoundError) as e:
         print(f"megatron-rl quickstart: {e}", file=sys.stderr)
         return 1

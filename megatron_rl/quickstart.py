@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,14 @@ def _resolve(argv: list[str], out: Path) -> list[str]:
             for a in argv]
 
 
-def run_stages(out: Path, todo: list[Stage]) -> dict[str, Any]:
+Runner = Callable[[list[str]], int]  # runs one `megatron-rl` command line → its exit code
+
+
+def in_subprocess(argv: list[str]) -> int:
+    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", *argv]).returncode
+
+
+def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess) -> dict[str, Any]:
     log = out / "stages.json"
     state: dict[str, Any] = json.loads(log.read_text()) if log.is_file() else {}
     for i, stage in enumerate(todo, 1):
@@ -212,7 +220,7 @@ def run_stages(out: Path, todo: list[Stage]) -> dict[str, Any]:
         print(f"[quickstart] {i}/{len(todo)} {stage.name}\n$ megatron-rl {' '.join(argv)}",
               flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *argv]).returncode
+        rc = run(argv)
         if rc != 0:
             raise RuntimeError(f"stage {stage.name} failed (exit code {rc}); fix it and re-run "
                                "to continue from this stage")
@@ -290,12 +298,15 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False) -> Path:
     return path
 
 
-def quickstart(out: Path, seed: int = 0, smoke: bool = False, ablation: bool = False) -> Path:
+def quickstart(out: Path, seed: int = 0, smoke: bool = False, ablation: bool = False,
+               run: Runner = in_subprocess) -> Path:
+    """`run`: how a stage's command runs (the CLI runs them in its own process: torch and
+    transformers are imported once, not once per stage)."""
     out.mkdir(parents=True, exist_ok=True)
     todo = stages(out, seed, SMOKE if smoke else FULL, react=ablation)
     if ablation:
         todo += ablation_stages(out, todo)
-    state = run_stages(out, todo)
+    state = run_stages(out, todo, run)
     path = report(out, state, ablation)
     print(f"[quickstart] report: {path}", flush=True)
     return path
