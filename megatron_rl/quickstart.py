@@ -91,7 +91,7 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
                             "--unique-steps", "--held-out-fraction", str(b.held_out_fraction),
                             "--out", str(q)], held_out),
         Stage("questions-one-hop", [
-            "data", "synthesize", "--pages", str(b.pages), "--seed", str(seed + 1),
+            "data", "synthesize", "--pages", str(b.pages), "--seed", str(seed),
             "--questions", str(b.one_hop_questions), "--max-seeds", str(4 * b.pages),
             "--min-hops", "1", "--max-hops", "1", "--anchor", "named", "--unique-steps",
             "--held-out-fraction", "0", "--avoid", str(held_out), "--out", str(one_hop)],

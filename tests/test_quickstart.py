@@ -11,10 +11,14 @@ import sys
 
 import pyarrow.parquet as pq
 
+from tests.cli_run import cli_in_process
 
-def _cli(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *argv], capture_output=True,
-                          text=True, timeout=timeout)
+
+def _cli(*argv: str, timeout: int = 600, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`fresh`: in a new process, as the README's command runs."""
+    proc = (subprocess.run([sys.executable, "-m", "megatron_rl.cli", *argv],
+                           capture_output=True, text=True, timeout=timeout) if fresh
+            else cli_in_process(*argv))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
@@ -133,7 +137,7 @@ def test_tokenizer_init_hf_and_eval_of_an_hf_folder(tmp_path):
 
 def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     out = tmp_path / "qs"
-    _cli("quickstart", "--out", str(out), "--smoke", timeout=900)
+    _cli("quickstart", "--out", str(out), "--smoke", timeout=900, fresh=True)
     state = json.loads((out / "stages.json").read_text())
     assert list(state) == ["world", "questions", "questions-one-hop", "tokenizer", "model",
                            "teacher-itersynth", "filter-itersynth", "teacher-one-hop",
@@ -156,6 +160,8 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     held_pages = {u for r in pq.read_table(out / "questions/held_out.parquet").to_pylist()
                   for u in r["extra_info"]["support"]}
     assert one_hop and all(not held_pages & set(r["extra_info"]["support"]) for r in one_hop)
+    # ... and they are questions about this world: the oracle solves them
+    assert json.loads((out / "teacher/filter-one-hop.json").read_text())["kept"] > 0
     assert json.loads((out / "model/config.json").read_text())["tie_word_embeddings"] is True
     text = (out / "report.md").read_text()
     table = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \| (\d+) \|", text, re.M)
@@ -168,5 +174,5 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     for _, png in re.findall(r"!\[([^\]]+)\]\(([^)]+)\)", text):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a re-run resumes: every stage is skipped, the report is rewritten
-    proc = _cli("quickstart", "--out", str(out), "--smoke")
+    proc = _cli("quickstart", "--out", str(out), "--smoke", fresh=True)
     assert proc.stdout.count("earlier run") == len(state) and "$ megatron-rl" not in proc.stdout

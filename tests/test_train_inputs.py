@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,6 +14,7 @@ import pytest
 
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 from megatron_rl.models.registry import get_model_spec
+from tests.cli_run import cli_in_process
 from tests.conversion_cases import save_random_hf
 
 GOOD = {"data_source": "own", "prompt": [{"role": "user", "content": "Where was Kalo born?"}],
@@ -22,9 +22,9 @@ GOOD = {"data_source": "own", "prompt": [{"role": "user", "content": "Where was 
 
 
 def _train(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "tiny-moe-rl-cpu",
-           f"train.output_dir={tmp_path / 'run'}", "checkpoint.dir=null", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    """The checks end before any rank starts, so the command runs in this process."""
+    return cli_in_process("train", "tiny-moe-rl-cpu", f"train.output_dir={tmp_path / 'run'}",
+                          "checkpoint.dir=null", *overrides, cwd=tmp_path)
 
 
 def _data(tmp_path) -> dict[str, str]:
