@@ -5,7 +5,7 @@ from the same registry entry (identical parameter count), trained with torch Ada
 batch. It runs first, before the Megatron CPU shims touch torch. Prints both and their ratio.
 
     python benchmarks/megatron_cpu_step.py [--model tiny-moe] [--batch 8] [--seq 256]
-        [--vocab N] [--profile]
+        [--vocab N] [--chunk-tokens N] [--profile]
 
 `--profile` prints, for each side, the operators with the most CPU time in one step (torch
 profiler): where the Megatron step loses against the plain one.
@@ -31,6 +31,7 @@ def _profile(step, title: str, rows: int = 18) -> None:
 
 
 PROFILE = False
+CHUNK = 4096
 
 
 def _time_steps(step, warmup: int, steps: int, title: str = "") -> list[float]:
@@ -75,7 +76,7 @@ def megatron(spec, tokens: torch.Tensor, warmup: int, steps: int) -> tuple[float
     init_distributed("gloo")
     cfg = load_config(None, [f"model.name={spec.name}", f"model.seq_length={seq}",
                              f"train.global_batch_size={rows}", f"train.micro_batch_size={rows}",
-                             "optim.lr=1e-3"])
+                             "optim.lr=1e-3", f"train.logprob_chunk_tokens={CHUNK}"])
     actor = MegatronActor(cfg, spec)
     batch = TokenBatch.from_sequences(tokens)
     times = _time_steps(lambda: actor.train_step(batch, lm_loss), warmup, steps, "Megatron")
@@ -91,10 +92,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=0, help="override the entry's vocabulary")
+    p.add_argument("--chunk-tokens", type=int, default=4096,
+                   help="tokens per output-layer chunk (train.logprob_chunk_tokens)")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, CHUNK
+    PROFILE, CHUNK = args.profile, args.chunk_tokens
 
     from megatron_rl.models.registry import get_model_spec
     from megatron_rl.utils.logs import quiet_libraries

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_rl.data.synthetic import ArithmeticSequences
-from megatron_rl.models.logprobs import vocab_parallel_logprobs
+from megatron_rl.models.logprobs import chunked_logprobs
 from megatron_rl.records.batch import TokenBatch
 
 
@@ -23,22 +23,42 @@ def test_token_batch_shapes_and_errors():
     assert [p.input_ids[0, 0].item() for p in parts] == [20, 30]
 
 
-def test_logprobs_and_entropy_match_log_softmax_with_padded_vocab():
-    torch.manual_seed(0)
-    vocab, padded = 50, 52  # two padded rows must get no probability
-    logits = torch.randn(6, 3, padded, dtype=torch.float64, requires_grad=True)
-    labels = torch.randint(0, vocab, (6, 3))
-    logp, ent = vocab_parallel_logprobs(logits, labels, 0, vocab)
-    ref = torch.log_softmax(logits[..., :vocab].float(), -1)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_and_entropy_match_log_softmax_with_padded_vocab(monkeypatch, temperature):
+    """The fused chunked path against autograd through log_softmax: values and the gradients
+    of hidden states and output weights, with two padded vocabulary rows and chunks of 4."""
+    from megatron.core import parallel_state as ps
+
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+    g = torch.Generator().manual_seed(0)
+    vocab, padded, seq, batch, h = 50, 52, 6, 3, 8
+    hidden = torch.randn(seq, batch, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(padded, h, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    weigh_lp, weigh_ent = torch.rand(batch, seq, generator=g), torch.rand(batch, seq, generator=g)
+    logp, ent = chunked_logprobs(hidden, weight, labels, vocab_size=vocab,
+                                 sequence_parallel=False, temperature=temperature,
+                                 chunk_tokens=4)
+    z = (hidden.transpose(0, 1) @ weight[:vocab].T).float() / temperature
+    ref = torch.log_softmax(z, -1)
     ref_logp = ref.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     ref_ent = -(ref.exp() * ref).sum(-1)
+    assert logp.dtype == torch.float32 and logp.shape == labels.shape
     assert (logp - ref_logp).abs().max() < 1e-5 and (ent - ref_ent).abs().max() < 1e-5
-    (logp.sum() + 0.1 * ent.sum()).backward()
-    grad = logits.grad.clone()
-    logits.grad = None
-    (ref_logp.sum() + 0.1 * ref_ent.sum()).backward()
-    assert (grad - logits.grad).abs().max() < 1e-5
-    assert grad[..., vocab:].abs().max() == 0  # padded ids get no gradient
+    grads = [torch.autograd.grad((lp * weigh_lp).sum() + (e * weigh_ent).sum(), (hidden, weight),
+                                 retain_graph=True)
+             for lp, e in ((logp, ent), (ref_logp, ref_ent))]
+    for got, want in zip(grads[0], grads[1], strict=True):
+        assert (got - want).abs().max() < 1e-5 and want.abs().max() > 1e-2
+    assert grads[0][1][vocab:].abs().max() == 0  # padded ids get no gradient
+    # entropy unused (its gradient is None): the log-prob gradient alone
+    g_lp = torch.autograd.grad((chunked_logprobs(hidden, weight, labels, vocab_size=vocab,
+                                                 sequence_parallel=False,
+                                                 temperature=temperature)[0] * weigh_lp).sum(),
+                               hidden)[0]
+    want = torch.autograd.grad((ref_logp * weigh_lp).sum(), hidden)[0]
+    assert (g_lp - want).abs().max() < 1e-5
 
 
 def test_synthetic_stream_is_deterministic_and_learnable():
@@ -54,7 +74,6 @@ def test_trained_positions_only_give_the_same_logprobs_and_gradients(monkeypatch
     its gradients are those of the full computation, the other positions are 0."""
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.models.logprobs import chunked_logprobs
 
     monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
