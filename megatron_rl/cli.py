@@ -250,8 +250,10 @@ def _eval_steps(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     for kind, s in result["steps"].items():
+        names = "" if s["name_accuracy"] is None else \
+            f"  names {s['name_accuracy']:.3f} of {s['names']}"
         print(f"[eval-steps] {kind:24s} reproduced {s['reproduced']:.3f}  token accuracy "
-              f"{s['token_accuracy']:.3f}  ({s['turns']} turns)", flush=True)
+              f"{s['token_accuracy']:.3f}{names}  ({s['turns']} turns)", flush=True)
     return 0
 
 

@@ -211,15 +211,24 @@ def step_accuracy(model_dir: str, trajectories: str, limit: int | None = None,
     output, token by token. A turn counts as reproduced when every token matches, which is
     exactly when greedy decoding from that context writes it. Reported per kind of step
     (the role, and for acting turns the tool called or `answer`), so a run whose episodes all
-    fail still shows which step it cannot take yet (pass@1 multiplies the steps)."""
+    fail still shows which step it cannot take yet (pass@1 multiplies the steps).
+    `name_accuracy`: the same over the output tokens that are single-id names (page titles
+    and URLs of a `--title-tokens` tokenizer): the copies a held-out answer depends on."""
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_rl.utils.tokens import added_word_ids
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    try:  # a folder without a tokenizer has no name ids to tell apart
+        words = added_word_ids(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+    except (OSError, ValueError):
+        words = frozenset()
     lines = Path(trajectories).read_text(encoding="utf-8").splitlines()
     rows = [json.loads(x) for x in lines if x.strip()][:limit]  # dumps: `to_dict` rows
-    kinds: dict[str, list[int]] = {}           # kind -> [right tokens, tokens, exact, turns]
+    # kind -> [right tokens, tokens, exact turns, turns, right name tokens, name tokens]
+    kinds: dict[str, list[int]] = {}
     for traj in tqdm(rows, desc="step accuracy", unit="episode", disable=not progress):
         for turn in traj["turns"]:
             ctx, out = list(turn.get("context_ids") or ()), list(turn.get("output_ids") or ())
@@ -227,17 +236,20 @@ def step_accuracy(model_dir: str, trajectories: str, limit: int | None = None,
                 continue
             with torch.no_grad():
                 logits = model(torch.tensor([ctx + out])).logits[0, len(ctx) - 1:-1]
-            right = int((logits.argmax(-1) == torch.tensor(out)).sum())
+            hits = logits.argmax(-1) == torch.tensor(out)
+            right = int(hits.sum())
+            is_name = torch.tensor([t in words for t in out])
+            name_hits, name_count = int(hits[is_name].sum()), int(is_name.sum())
             role = turn.get("role") or "assistant"
             names = sorted({str(c.get("name")) for c in turn.get("tool_calls") or ()})
             kind = ("synthesizer:notes" if role == "synthesizer"
                     else f"{role}:{'+'.join(names) or 'answer'}")
             for key in (kind, "all"):
-                k = kinds.setdefault(key, [0, 0, 0, 0])
-                k[0] += right
-                k[1] += len(out)
-                k[2] += right == len(out)
-                k[3] += 1
+                k = kinds.setdefault(key, [0] * 6)
+                for i, v in enumerate((right, len(out), right == len(out), 1, name_hits,
+                                       name_count)):
+                    k[i] += v
     return {"model": model_dir, "trajectories": trajectories, "episodes": len(rows),
             "steps": {k: {"token_accuracy": v[0] / v[1], "reproduced": v[2] / v[3],
-                          "turns": v[3]} for k, v in sorted(kinds.items())}}
+                          "turns": v[3], "name_accuracy": v[4] / v[5] if v[5] else None,
+                          "names": v[5]} for k, v in sorted(kinds.items())}}

@@ -130,6 +130,17 @@ def test_eval_steps_reports_per_step_accuracy_under_teacher_forcing(tmp_path):
     greedy = model.generate(torch.tensor([ctx]), max_new_tokens=6, do_sample=False,
                             pad_token_id=0)[0, len(ctx):].tolist()
     wrong = [(t + 1) % 64 for t in greedy]
+    # a tokenizer whose one added word (a --title-tokens name) is id 63; a wrong turn writes it
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    name = 63
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        {f"t{i}": i for i in range(name)}, "t0")))
+    tok.add_tokens(["Some_Name"])
+    assert tok.convert_tokens_to_ids("Some_Name") == name
+    wrong[2] = name
+    tok.save_pretrained(tmp_path / "m")
     rows = [{"turns": [
         {"role": "planner", "context_ids": ctx, "output_ids": greedy,
          "tool_calls": [{"name": "search", "arguments": {}}]},
@@ -141,10 +152,15 @@ def test_eval_steps_reports_per_step_accuracy_under_teacher_forcing(tmp_path):
                            "--out", str(tmp_path / "s.json")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     steps = json.loads((tmp_path / "s.json").read_text())["steps"]
-    assert steps["planner:search"] == {"token_accuracy": 1.0, "reproduced": 1.0, "turns": 1}
+    n = greedy.count(name)
+    assert steps["planner:search"] == {"token_accuracy": 1.0, "reproduced": 1.0, "turns": 1,
+                                       "name_accuracy": 1.0 if n else None, "names": n}
     syn = steps["synthesizer:notes"]
     assert syn["reproduced"] == 0.0 and syn["turns"] == 1
     with torch.no_grad():  # the first wrong token is never the argmax; later ones may be
         pred = model(torch.tensor([ctx + wrong])).logits[0, len(ctx) - 1:-1].argmax(-1)
     assert syn["token_accuracy"] == float((pred == torch.tensor(wrong)).float().mean())
+    at = torch.tensor(wrong) == name
+    assert syn["names"] == int(at.sum()) >= 1
+    assert syn["name_accuracy"] == float((pred[at] == name).float().mean())
     assert steps["all"]["turns"] == 2  # the empty turn is not a step

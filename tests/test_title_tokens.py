@@ -94,3 +94,14 @@ def test_copy_loss_weight_scales_names_copied_from_the_context(tmp_path):
     at = next(i for i, (t, m) in enumerate(zip(plain.tokens, plain.loss_mask, strict=True))
               if t == copied and m == 1)
     assert dropped.loss_mask[at] == 0.0 and dropped.loss_mask.count(0.25) > 0
+    # a page (sft.format=text: every token trained): a title's repeat is a copy, its first
+    # occurrence is not
+    page = {"title": "Dorras Dynamics", "text": "Dorras Dynamics was founded by Marur "
+            "Voelrho. Marur Voelrho led Dorras Dynamics."}
+    (tmp_path / "p.jsonl").write_text(json.dumps(page) + "\n")
+    text = load_sft_data([tmp_path / "p.jsonl"], tok, copy_weight=5.0, fmt="text", **args)
+    (ex,) = text.examples
+    names = [(t, m) for t, m in zip(ex.tokens, ex.loss_mask, strict=True)
+             if t in (copied, unseen)]
+    assert [m for _, m in names] == [1, 5.0, 1, 5.0, 5.0], names
+    assert text.stats["copy_tokens"] == 3

@@ -211,15 +211,15 @@ def _text_parts(tokenizer: Any, row: Any, where: str, width: int
 # -- files → examples ----------------------------------------------------------------------
 def _weigh_copies(tokens: Sequence[int], mask: list[float], words: frozenset[int],
                   weight: float) -> tuple[list[float], int]:
-    """`mask` with every trained added word that already occurred untrained (in the
-    context) scaled by `weight`; and how many there were."""
+    """`mask` with every trained added word that already occurred earlier in the sequence
+    (the context, an earlier turn, earlier in a page) scaled by `weight`; and how many
+    there were."""
     seen: set[int] = set()
     out, copies = list(mask), 0
     for i, (t, m) in enumerate(zip(tokens, mask, strict=True)):
         if m == 1.0 and t in words and t in seen:
             out[i], copies = weight, copies + 1
-        elif m != 1.0:
-            seen.add(t)
+        seen.add(t)
     return out, copies
 
 
