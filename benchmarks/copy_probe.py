@@ -11,6 +11,7 @@ it (a short-context curriculum).
 
     python benchmarks/copy_probe.py                   # the default table: ~1.5 min on 2 cores
     python benchmarks/copy_probe.py --prefix 650      # long contexts: ~2 s a step at hidden 128
+    python benchmarks/copy_probe.py --megatron        # + the same task through the Megatron actor
 
 Measured here (2 cores, 200 steps, batch 32, ~1.5 min in all): the learning rate decides.
 At 1e-2 (the tiny SFT recipe's) no shape copies; at 1e-3 every shape copies unseen names
@@ -94,6 +95,46 @@ def probe(hidden: int, heads: int, groups: int, head_dim: int, embedding_std: fl
             "seconds": time.perf_counter() - t0}
 
 
+def probe_megatron(steps: int, lr: float) -> dict[str, float]:
+    """The same task through the Megatron actor (`tiny-moe-wide`: hidden 128, head_dim 32,
+    tied embeddings, 1 gloo rank, no prefix): does the trainer the quickstart uses copy?"""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.distributed.process_groups import init_distributed
+    from megatron_rl.records.batch import TokenBatch
+    from megatron_rl.trainer.actor import MegatronActor
+    from megatron_rl.trainer.losses import lm_loss
+
+    spec = dataclasses.replace(get_model_spec("tiny-moe-wide"), vocab_size=VOCAB,
+                               tie_word_embeddings=True)
+    init_distributed("gloo")
+    cfg = load_config(None, ["model.name=tiny-moe-wide", "model.seq_length=64",
+                             "train.global_batch_size=32", "train.micro_batch_size=32",
+                             f"optim.lr={lr}", f"optim.min_lr={lr}", "optim.clip_grad=1.0"])
+    actor = MegatronActor(cfg, spec)
+    rng, split = random.Random(0), len(NAMES) * 3 // 4
+    train, held_out = list(NAMES[:split]), list(NAMES[split:])
+
+    def token_batch(names: list[int], r: random.Random, rows: int = 32) -> TokenBatch:
+        ids, at = batch(names, [], r, rows)
+        b = TokenBatch.from_sequences(ids)
+        b.loss_mask.copy_(at[:, :-1].float())  # input position -> its next-token target
+        return b
+
+    def accuracy() -> float:
+        b = token_batch(held_out, random.Random(1), rows=128)
+        trained = b.loss_mask > 0
+        return float((actor.compute_logits(b).argmax(-1)[trained] == b.labels[trained])
+                     .float().mean())
+
+    first, t0 = None, time.perf_counter()
+    for step in range(1, steps + 1):
+        actor.train_step(token_batch(train, rng), lm_loss)
+        if first is None and step % 25 == 0 and accuracy() >= 0.9:
+            first = step
+    return {"first": first or float("nan"), "accuracy": accuracy(),
+            "seconds": time.perf_counter() - t0}
+
+
 SHAPES = (  # hidden, heads, query groups, head_dim, embedding std, learning rate
     (64, 4, 2, 16, 0.02, 1e-2), (64, 4, 2, 16, 0.02, 1e-3), (64, 4, 2, 16, 0.125, 1e-3),
     (128, 4, 4, 32, 0.02, 1e-3), (128, 4, 4, 32, 0.125, 1e-3))
@@ -105,6 +146,9 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=0, help="filler tokens before the list")
     p.add_argument("--warm", type=int, default=0, help="first steps without the prefix")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--megatron", action="store_true",
+                   help="also train hidden 128 / head_dim 32 at lr 1e-3 through the Megatron "
+                        "actor (no prefix)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     print(f"unseen-name copy accuracy after {a.steps} steps (prefix {a.prefix}, "
@@ -115,6 +159,10 @@ def main() -> None:
         r = probe(hidden, heads, groups, head_dim, std, steps=a.steps, lr=lr,
                   prefix=a.prefix, warm=a.warm)
         print(f"| {hidden} | {heads}/{groups} | {head_dim} | {std} | {lr} | {r['first']:.0f} | "
+              f"{r['accuracy']:.3f} | {r['seconds']:.0f} |", flush=True)
+    if a.megatron:
+        r = probe_megatron(a.steps, 1e-3)
+        print(f"| 128 (Megatron actor) | 4/4 | 32 | megatron init | 0.001 | {r['first']:.0f} | "
               f"{r['accuracy']:.3f} | {r['seconds']:.0f} |", flush=True)
 
 
