@@ -169,8 +169,10 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     assert all(0.0 <= float(acc) <= 1.0 and int(n) == 4 for _, acc, n in table)
     steps = json.loads((out / "eval/steps-sft.json").read_text())
     assert steps["episodes"] == 2 and steps["steps"]["planner:search"]["turns"] >= 2
-    cells = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \(([0-9.]+)\) \|", text, re.M)
+    cells = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \(([0-9.]+), names ([0-9.]+)\) \|",
+                       text, re.M)  # reproduced (token accuracy, accuracy on the name tokens)
     assert [c[0] for c in cells] == ["untrained", "sft", "rl"]
+    assert steps["steps"]["all"]["names"] > 0  # title-token names in the oracle's steps
     for _, png in re.findall(r"!\[([^\]]+)\]\(([^)]+)\)", text):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a re-run resumes: every stage is skipped, the report is rewritten
