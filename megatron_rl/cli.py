@@ -420,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=2048)
     ev.add_argument("--retries", type=int, default=1)
     ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument("--no-tool-specs", dest="tool_specs", action="store_false",
+                    help="leave the tools' schemas out of the system prompt (a policy trained "
+                         "so: data teacher --no-tool-specs, rl.tool_specs=false)")
     ev.set_defaults(func=_eval)
     es = sub.add_parser("eval-steps", help="per-step accuracy of an HF model on reference "
                         "trajectories (teacher forcing): which step an agent cannot take yet")

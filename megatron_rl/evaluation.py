@@ -38,6 +38,7 @@ class EvalConfig:
     concurrency: int = 8
     max_turns: int = 8
     max_new_tokens: int = 2048
+    tool_specs: bool = True  # the tools' schemas in the system prompt (as the policy trained)
     retries: int = 1                     # context management: restart an unanswered episode
     temperature: float = 0.0
 
@@ -136,7 +137,7 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     tokenizer = _tokenizer(cfg)
     agent_cfg = AgentConfig(max_turns=cfg.max_turns, sampling=SamplingParams(
         temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
-        max_context_tokens=max(32_768, 4 * cfg.max_new_tokens))
+        max_context_tokens=max(32_768, 4 * cfg.max_new_tokens), tool_specs=cfg.tool_specs)
     agent = for_eval(agent_cls(tokenizer, _tools(cfg), agent_cfg), discard_all=True,
                      retries=cfg.retries)
     server = None

@@ -81,3 +81,18 @@ def test_no_action_planner_ends_the_episode() -> None:
     traj = itersynth(["I do not know."])
     assert traj.roles == ["planner"] and traj.answer is None and traj.labels == []
 
+
+
+def test_without_tool_specs_the_planner_prompt_is_short_and_the_tools_still_run() -> None:
+    """`tool_specs=False` (rl.tool_specs, --no-tool-specs): the schemas leave the system prompt,
+    the episode is otherwise the same (the calls parse and run, the answer is right)."""
+    with_specs, without = itersynth(SCRIPT), itersynth(SCRIPT, tool_specs=False)
+    assert without.answer == "Paris" and without.roles == with_specs.roles
+    assert [c.name for t in without.turns for c in t.tool_calls] == ["search", "visit"]
+    planner = TOK.decode(without.turns[0].context_ids)
+    assert "# Tools" not in planner and '"parameters"' not in planner
+    assert f"Question: {QUESTION}" in planner
+    saved = len(with_specs.turns[0].context_ids) - len(without.turns[0].context_ids)
+    assert saved > 100, saved
+    # the Synthesizer never had them
+    assert without.turns[1].context_ids == with_specs.turns[1].context_ids

@@ -65,6 +65,9 @@ class AgentConfig:
     return_routed_experts: bool = False   # MoE routing replay: keep the engine's routing per turn
     # reproducible rollouts: each request's sampling seed derives from it and the request id
     seed: int | None = None
+    # False: the tools' JSON schemas stay out of the system prompt (~600 tokens for search and
+    # visit): a small model that learned the call format in SFT copies names across them poorly
+    tool_specs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens"):
@@ -135,7 +138,7 @@ class BaseAgent:
         self.chat = ChatFormat(tokenizer, chat_template_kwargs=self.config.chat_template_kwargs,
                                family=self.config.chat_format)
         self.tools: dict[str, Tool] = {t.name: t for t in tools}
-        self.specs = [tool_spec(t) for t in tools]
+        self.specs = [tool_spec(t) for t in tools] if config.tool_specs else None
         self.schemas = {t.name: t.parameters for t in tools}
         stops = sorted(set(self.config.sampling.stop_token_ids) | {self.chat.im_end_id})
         self.sampling = dataclasses.replace(self.config.sampling, stop_token_ids=stops)

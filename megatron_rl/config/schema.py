@@ -526,6 +526,9 @@ class RLConfig:
     entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
     sync_transport: str = bounded("tensor", choices=("tensor", "distributed", "disk"))
     routing_replay: bool = bounded(False, help="MoE R3: replay the engine's routed experts")
+    tool_specs: bool = bounded(True, help="the tools' JSON schemas in the agent's system "
+                               "prompt; false for a small policy that learned the call format "
+                               "in SFT (data teacher / eval --no-tool-specs alike)")
     eval_every: int = bounded(0, ge=0, help="steps between held-out evaluations; 0 = off")
     eval_prompts: int = bounded(8, ge=1)
     loggers: tuple[str, ...] = bounded((), help="extra metric sinks: tensorboard, wandb")

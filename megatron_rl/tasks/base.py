@@ -61,7 +61,7 @@ def agent_config(cfg: Config, greedy: bool) -> AgentConfig:
                        sampling=SamplingParams(temperature=0.0 if greedy else rl.temperature,
                                                max_new_tokens=rl.max_new_tokens),
                        limits=rl.agent_limits, seed=cfg.train.seed,
-                       return_routed_experts=rl.routing_replay)
+                       return_routed_experts=rl.routing_replay, tool_specs=rl.tool_specs)
 
 
 def build_agents(cfg: Config, tokenizer: Any, tools: Sequence[Any]) -> tuple[Any, Any]:
