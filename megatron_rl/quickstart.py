@@ -54,16 +54,16 @@ SMOKE = Budget(pages=1500, questions=40, held_out_fraction=0.2, one_hop_question
 # entity SFT never showed, so the agent must copy names (one id each: --title-tokens) from the
 # question and the results into its queries, URLs and notes. The 64-wide tiny-moe at lr 1e-2
 # never learned that; 128-wide at lr 1e-3 does, when a name's repeat weighs more in the loss
-# (in the page windows it is pre-trained on first, then in the episodes). The Planner still
-# copies nothing within this budget (docs/sft.md); training the context too did not help.
+# (in the page windows it is pre-trained on first, then in the episodes), and when the
+# Planner's prompt leaves out the tool specs (docs/sft.md); training the context did not help.
 MODEL = "tiny-moe-wide"
 INIT = ("--tie-embeddings", "--embedding-std", "0.125")
 SFT_OPTIM = ("optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=10")
 PRETRAIN_SEQ = 96
 COPY_WEIGHT = 5       # page windows: 6 % -> 60 % of repeated names right
 # the tools' ~600-token JSON schemas stay out of the prompts (teacher, RL, eval alike): behind
-# them the Planner copied no held-out name (0 of 60); with the system prompt cut, 76 % of its
-# first queries' names came out right (docs/sft.md)
+# them the Planner copied no held-out name (0 of 60); without them 81 % of its first queries'
+# names came out right (docs/sft.md)
 SPECS = ("--no-tool-specs",)
 SFT_COPY_WEIGHT = 20  # episodes: 1.8 % -> 25 % of held-out names at 5 -> 20 (50: no better)
 

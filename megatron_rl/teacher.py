@@ -322,7 +322,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = AgentConfig(max_turns=args.max_turns, max_context_tokens=args.max_context_tokens,
                       sampling=SamplingParams(temperature=0.0,
                                               max_new_tokens=args.max_new_tokens),
-                      tool_specs=not args.no_tool_specs)
+                      tool_specs=args.tool_specs)
     agent = AGENTS.get(args.agent, "--agent")(tokenizer, tools, cfg)
     if args.teacher_url:
         from megatron_rl.engines.openai_chat import OpenAIChatEngine
@@ -363,7 +363,7 @@ def add_teacher_parser(sub: Any) -> None:
     t.add_argument("--api-key-env", dest="api_key_env", default=None)
     t.add_argument("--max-turns", dest="max_turns", type=int, default=12)
     t.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=512)
-    t.add_argument("--no-tool-specs", dest="no_tool_specs", action="store_true",
+    t.add_argument("--no-tool-specs", dest="tool_specs", action="store_false",
                    help="leave the tools' schemas out of the system prompt (~600 tokens): for "
                         "a small policy; train, RL (rl.tool_specs=false) and eval the same way")
     t.add_argument("--max-context-tokens", dest="max_context_tokens", type=int, default=32768)
