@@ -423,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-tool-specs", dest="tool_specs", action="store_false",
                     help="leave the tools' schemas out of the system prompt (a policy trained "
                          "so: data teacher --no-tool-specs, rl.tool_specs=false)")
+    ev.add_argument("--top-k", dest="top_k", type=int, default=5,
+                    help="search results per call when the call gives no top_k (as the policy "
+                         "trained: data teacher --top-k, env.search.top_k)")
     ev.set_defaults(func=_eval)
     es = sub.add_parser("eval-steps", help="per-step accuracy of an HF model on reference "
                         "trajectories (teacher forcing): which step an agent cannot take yet")

@@ -39,6 +39,7 @@ class EvalConfig:
     max_turns: int = 8
     max_new_tokens: int = 2048
     tool_specs: bool = True  # the tools' schemas in the system prompt (as the policy trained)
+    top_k: int = 5                       # search results per call that does not ask
     retries: int = 1                     # context management: restart an unanswered episode
     temperature: float = 0.0
 
@@ -84,9 +85,9 @@ def _tools(cfg: EvalConfig) -> list:
     from megatron_rl.env.visit import HttpPages, LocalPages, Visit
 
     if cfg.index:
-        return [LocalSearch(cfg.index), Visit(LocalPages(cfg.index))]
+        return [LocalSearch(cfg.index, top_k=cfg.top_k), Visit(LocalPages(cfg.index))]
     if cfg.search_url:
-        return [HttpSearch(cfg.search_url), Visit(HttpPages(cfg.search_url))]
+        return [HttpSearch(cfg.search_url, top_k=cfg.top_k), Visit(HttpPages(cfg.search_url))]
     raise ValueError("tools: give --index (a local search index) or --search-url")
 
 

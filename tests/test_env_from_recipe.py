@@ -123,3 +123,26 @@ def test_summarizer_and_judge_from_an_aux_pool_on_an_embedded_engine(corpus_inde
         assert "judge_error" in traj.labels and traj.metadata["judge"]["correct"] is None
     finally:
         server.stop()
+
+
+def test_search_top_k_from_the_recipe_is_the_calls_default(corpus_index, tmp_path):
+    """`env.search.top_k`: the results a call gets when it gives no `top_k` (and the default
+    its schema shows the policy); a call's own `top_k` still wins."""
+    data = _prompts(tmp_path / "train.parquet", {"visit": {"goal": "birthplace"}})
+    cfg = load_config("tiny-moe-rl-cpu", [f"env.search.index={corpus_index}",
+                                          "env.search.top_k=2", f"data.train_files=[{data}]"])
+    task = build_task(cfg, tiny_qwen3_tokenizer(), tmp_path)
+    search = task.agent.tools["search"]
+    assert search.parameters["properties"]["top_k"]["default"] == 2
+
+    async def calls():
+        default = await search(query="Zorvex Kalo Velt river")
+        three = await search(query="Zorvex Kalo Velt river", top_k=3)
+        await task.aclose()
+        return default, three
+
+    default, three = asyncio.run(calls())
+    assert len(default.data) == 2 and len(three.data) == 3
+    assert "found 2 results" in default.content
+    with pytest.raises(ConfigError, match="env.search.top_k"):
+        load_config("tiny-moe-rl-cpu", ["env.search.top_k=0"])

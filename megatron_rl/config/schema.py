@@ -211,6 +211,7 @@ class SearchConfig:
                                 "None = the task's own (the generated world's)")
     url: str | None = bounded(None, help="http: the search service (`megatron-rl search serve`)")
     key_env: str = bounded("SERPER_API_KEY", help="serper: NAME of the variable with the key")
+    top_k: int = bounded(5, ge=1, le=20, help="results per call when the call gives no top_k")
     limits: ReliabilityConfig = field(default_factory=ReliabilityConfig)
 
 

@@ -64,10 +64,12 @@ def _local_index(ctx: ToolContext, *candidates: str | None) -> Path:
 def search_tool(ctx: ToolContext) -> Tool:
     s = ctx.env.search
     if s.kind == "http":
-        return HttpSearch(s.url, reliability=s.limits, cache=ctx.cache)
+        return HttpSearch(s.url, top_k=s.top_k, reliability=s.limits, cache=ctx.cache)
     if s.kind == "serper":
-        return SerperSearch(key_env=s.key_env, reliability=s.limits, cache=ctx.cache)
-    return LocalSearch(_local_index(ctx, s.index), reliability=s.limits, cache=ctx.cache)
+        return SerperSearch(key_env=s.key_env, top_k=s.top_k, reliability=s.limits,
+                            cache=ctx.cache)
+    return LocalSearch(_local_index(ctx, s.index), top_k=s.top_k, reliability=s.limits,
+                       cache=ctx.cache)
 
 
 def summarizer(ctx: ToolContext) -> Any:

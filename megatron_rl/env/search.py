@@ -19,12 +19,13 @@ from megatron_rl.env.reliability import ManagedTool, ReliabilityConfig, ToolCach
 from megatron_rl.utils.secrets import excerpt, register_secret
 
 MAX_TOP_K = 20
+DEFAULT_TOP_K = 5
 SEARCH_PARAMETERS: dict[str, Any] = {
     "type": "object",
     "properties": {
         "query": {"type": "string", "minLength": 1,
                   "description": "what to look for, in plain words"},
-        "top_k": {"type": "integer", "minimum": 1, "maximum": MAX_TOP_K, "default": 5,
+        "top_k": {"type": "integer", "minimum": 1, "maximum": MAX_TOP_K, "default": DEFAULT_TOP_K,
                   "description": "number of results"},
     },
     "required": ["query"],
@@ -67,6 +68,17 @@ class _SearchTool(ManagedTool):
     parameters = SEARCH_PARAMETERS
     failure_label = "search_error"
 
+    def __init__(self, *, top_k: int = DEFAULT_TOP_K, reliability: ReliabilityConfig | None = None,
+                 cache: ToolCache | None = None):
+        """`top_k`: the results a call gets when it does not ask for a number."""
+        super().__init__(reliability=reliability, cache=cache)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
+            raise ValueError(f"search top_k: {top_k!r} is not an integer in [1, {MAX_TOP_K}]")
+        if top_k != DEFAULT_TOP_K:
+            props = dict(SEARCH_PARAMETERS["properties"])
+            props["top_k"] = {**props["top_k"], "default": top_k}
+            self.parameters = {**SEARCH_PARAMETERS, "properties": props}
+
     async def hits(self, query: str, top_k: int) -> list[SearchHit]:
         raise NotImplementedError
 
@@ -79,9 +91,10 @@ class _SearchTool(ManagedTool):
 class LocalSearch(_SearchTool):
     """BM25 over a local index folder. Searches run in a worker thread (tantivy blocks)."""
 
-    def __init__(self, index: SearchIndex | str | Path, *,
+    def __init__(self, index: SearchIndex | str | Path, *, top_k: int = DEFAULT_TOP_K,
                  reliability: ReliabilityConfig | None = None, cache: ToolCache | None = None):
-        super().__init__(reliability=reliability or ReliabilityConfig(max_retries=0), cache=cache)
+        super().__init__(top_k=top_k, reliability=reliability or ReliabilityConfig(max_retries=0),
+                         cache=cache)
         self.index = index if isinstance(index, SearchIndex) else SearchIndex(index)
 
     def cache_namespace(self) -> str:
@@ -94,9 +107,9 @@ class LocalSearch(_SearchTool):
 class HttpSearch(_SearchTool):
     """Client of the search service: `POST {url}/search {"query", "top_k"}`."""
 
-    def __init__(self, url: str, *, reliability: ReliabilityConfig | None = None,
-                 cache: ToolCache | None = None):
-        super().__init__(reliability=reliability, cache=cache)
+    def __init__(self, url: str, *, top_k: int = DEFAULT_TOP_K,
+                 reliability: ReliabilityConfig | None = None, cache: ToolCache | None = None):
+        super().__init__(top_k=top_k, reliability=reliability, cache=cache)
         self.url = url.rstrip("/")
         self.http = HttpClient()
 
@@ -120,8 +133,9 @@ class SerperSearch(_SearchTool):
 
     def __init__(self, *, base_url: str = "https://google.serper.dev",
                  key_env: str = "SERPER_API_KEY", gl: str | None = None, hl: str | None = None,
-                 reliability: ReliabilityConfig | None = None, cache: ToolCache | None = None):
-        super().__init__(reliability=reliability, cache=cache)
+                 top_k: int = DEFAULT_TOP_K, reliability: ReliabilityConfig | None = None,
+                 cache: ToolCache | None = None):
+        super().__init__(top_k=top_k, reliability=reliability, cache=cache)
         self._api_key = os.environ.get(key_env, "")
         if not self._api_key:
             raise ValueError(f"SerperSearch needs an API key in the environment variable "
