@@ -7,11 +7,12 @@ same trajectory JSONL the RL loop dumps (the input of filters and SFT).
   entity (or the question), visit the first support page, then per hop search the bridge
   entity the visited page named and visit its page, then answer. IterSynth: each Planner step
   is a function of what the Planner sees, the question and the notes (`oracle_plan_step`:
-  answer once a fact names the answer, else visit the first support page noted and not yet
-  read, else search), so that a policy can learn it; the Synthesizer keeps the current notes,
-  marks a visited page's line `(read)` and adds a line per new fact: a support page found
-  among search results (title and URL) or the first sentence of a page that names a bridge
-  entity or the answer. The queries and observations are real
+  answer once a fact names the answer, else search the deepest entity the facts name, or
+  visit the next hop's page when the results did not state its fact), so that a policy can
+  learn it; the Synthesizer keeps the current notes and adds a line per new fact (the first
+  sentence of the evidence naming a bridge entity or the answer) or, when there is none, the
+  support pages found among the results (`[title](URL)`; `(read)` once visited). `--visits
+  every-page` visits every support page found. The queries and observations are real
   (real index, real pages); a trajectory records in `metadata["teacher"]["grounded"]` whether
   every visited URL had appeared in an earlier observation (a demonstration a policy could
   follow).
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.agents.base import AgentConfig
+from megatron_rl.agents.itersynth import QUESTION_LAST
 from megatron_rl.agents.registry import AGENTS
 from megatron_rl.engines.base import (
     GenerateRequest,
@@ -47,6 +49,9 @@ from megatron_rl.rewards.composite import build_judge, judge_trajectory
 _SENTENCE = re.compile(r"[^\n]+?(?:\.(?=\s)|\n|$)")
 _LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
 MAX_NOTE_LINES = 8  # a note is a digest: it must fit one response
+# when the IterSynth oracle visits: only a page whose fact the search results did not show
+# (fewer steps and shorter notes, each one a copy), or every support page it finds
+VISITS = ("when-needed", "every-page")
 
 
 @dataclass
@@ -82,8 +87,10 @@ def oracle_messages(question: str, path: OraclePath, family: Any, agent: str) ->
 
 
 _RESULT = re.compile(r"\[([^\]\n]+)\]\((https?://[^)\s]+)\)")
+_RESULT_LINE = re.compile(r"^\s*\d+\. \[[^\]\n]*\]\([^)\n]*\)\s*$", re.M)  # a result's title
 _VISITED = re.compile(r"^\[\d+\] visit (\{.*\})$", re.M)
-_PAGE_LINE = re.compile(r"^- (.+?): (https?://\S+?)( \(read\))?$")
+# a page to read, written as the results list it (a copy the policy can make token by token)
+_PAGE_LINE = re.compile(r"^- \[(.+?)\]\((https?://\S+?)\)( \(read\))?$")
 READ = " (read)"  # a page line's mark once the page was visited
 NOTHING_YET = "- nothing yet"
 
@@ -104,49 +111,73 @@ def _visited(evidence: str) -> set[str]:
     return urls
 
 
-def oracle_notes(current: str, evidence: str, path: OraclePath) -> str:
+def oracle_notes(current: str, evidence: str, path: OraclePath,
+                 visits: str = "when-needed") -> str:
     """The oracle Synthesizer's notes: the current ones kept, plus one line per new fact the
-    path needs - a search result that is a support page (`- Title: URL`, what the Planner
-    visits next; marked `(read)` once visited, so the notes say what was done) or the first
-    sentence of a page naming a bridge entity or the answer (what it searches next, or
-    answers)."""
+    path needs - the sentence of the evidence that links the hop's subject to a bridge entity
+    or the answer (what the Planner searches next, or answers). When the evidence named
+    nothing new (or `visits="every-page"`): one line per search result that is a support page
+    (`- [Title](URL)` as the results list it, what the Planner visits next; marked `(read)`
+    once visited); with `visits="when-needed"` these lines go once a new fact is noted."""
     lines = _note_lines(current)
     visited = _visited(evidence)
     lines = [x + READ if (m := _PAGE_LINE.match(x)) and m[2] in visited and not m[3] else x
              for x in lines]
-    noted = {m[2] for x in lines if (m := _PAGE_LINE.match(x))}
-    support = set(path.support)
-    for title, url in _RESULT.findall(evidence):
-        if url in support and url not in noted:
-            lines.append(f"- {title}: {url}")
-            noted.add(url)
-    text = _LINK.sub(r"\1", evidence)
-    for name in (*path.bridges, path.answer):
-        if any(name in x for x in lines if not _PAGE_LINE.match(x)):
+    facts = []
+    text = _LINK.sub(r"\1", _RESULT_LINE.sub("", evidence))  # a bare title states no fact
+    sentences = [x.strip() for x in _SENTENCE.findall(text)]
+    sentences = [x for x in sentences if not x.startswith(("See also", "A search for"))
+                 and "<http" not in x and "](" not in x]
+    names = (*path.bridges, path.answer)
+    for k, name in enumerate(names):
+        if any(name in x for x in lines + facts if not _PAGE_LINE.match(x)):
             continue
-        for sentence in _SENTENCE.findall(text):
-            sentence = sentence.strip()
-            if (name in sentence and not sentence.startswith(("See also", "A search for"))
-                    and "<http" not in sentence and "](" not in sentence):
-                lines.append(f"- {sentence}")
-                break
-    return "\n".join(lines[-MAX_NOTE_LINES:]) or NOTHING_YET
+        # the sentence that links the hop's subject to it states the fact; else any naming it
+        subject = names[k - 1] if k else path.start
+        found = [x for x in sentences if name in x]
+        best = [x for x in found if subject and subject in x.replace(name, "")] or found
+        if best:
+            facts.append(f"- {best[0]}")
+    if visits == "when-needed" and facts:  # the pages have served: their facts are noted
+        lines = [x for x in lines if not _PAGE_LINE.match(x)]
+    elif visits == "every-page" or not facts:
+        noted = {m[2] for x in lines if (m := _PAGE_LINE.match(x))}
+        support = set(path.support)
+        for title, url in _RESULT.findall(evidence):
+            if url in support and url not in noted:
+                lines.append(f"- [{title}]({url})")
+                noted.add(url)
+    return "\n".join((lines + facts)[-MAX_NOTE_LINES:]) or NOTHING_YET
 
 
-def oracle_plan_step(question: str, notes: str, path: OraclePath, family: Any) -> str:
+def oracle_plan_step(question: str, notes: str, path: OraclePath, family: Any,
+                     visits: str = "when-needed") -> str:
     """The oracle Planner's next message, a function of what it sees (question and notes)
-    alone, so that a policy can learn it: answer once a fact names the answer; else visit the
-    first support page noted but not read; else search the start (no notes yet) or the first
-    bridge a fact names whose page is not noted yet."""
+    alone, so that a policy can learn it: answer once a fact names the answer. Else, with
+    `visits="when-needed"`: search the deepest bridge a fact names (the start when none does),
+    unless the notes list the page of the hop after it, unread (its fact was not in the search
+    results): visit that. `visits="every-page"`: visit the first support page noted but not
+    read, else search the first bridge a fact names whose page is not noted yet."""
     lines = _note_lines(notes)
     pages = [m for x in lines if (m := _PAGE_LINE.match(x))]
     facts = [x for x in lines if not _PAGE_LINE.match(x)]
     if any(path.answer in x for x in facts):
         return f"<answer>{path.answer}</answer>"
+
+    def visit(url: str) -> str:
+        return family.tool_call("visit", {"url": url, "goal": path.goal(path.support.index(url))})
+
+    if visits == "when-needed":
+        named = [k for k, b in enumerate(path.bridges) if any(b in x for x in facts)]
+        deepest = max(named, default=-1)
+        page = path.support[deepest + 1] if deepest + 1 < len(path.support) else None
+        if any(m[2] == page and not m[3] for m in pages):
+            return visit(page)
+        query = path.bridges[deepest] if deepest >= 0 else path.start or question
+        return family.tool_call("search", {"query": query})
     for m in pages:
         if not m[3] and m[2] in path.support:
-            goal = path.goal(path.support.index(m[2]))
-            return family.tool_call("visit", {"url": m[2], "goal": goal})
+            return visit(m[2])
     noted = {m[2] for m in pages}
     for k, bridge in enumerate(path.bridges):
         if (k + 1 < len(path.support) and path.support[k + 1] not in noted
@@ -163,8 +194,10 @@ class OracleEngine(NoServerControl):
 
     weight_version = 0
 
-    def __init__(self, tokenizer: Any, agent: str):
-        self.tokenizer, self.agent = tokenizer, agent
+    def __init__(self, tokenizer: Any, agent: str, visits: str = "when-needed"):
+        if visits not in VISITS:
+            raise ValueError(f"visits: {visits!r} is not one of {VISITS}")
+        self.tokenizer, self.agent, self.visits = tokenizer, agent, visits
         self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.plans: dict[str, list[str]] = {}
         self.paths: dict[str, OraclePath] = {}
@@ -191,10 +224,11 @@ class OracleEngine(NoServerControl):
                 return plan[min(step, len(plan) - 1)]
             notes = last_user.rpartition("Notes so far:")[2].rsplit("<|im_end|>", 1)[0]
             return oracle_plan_step(self.questions[uid], notes, self.paths[uid],
-                                    self.families[uid])
+                                    self.families[uid], self.visits)
         head, _, evidence = last_user.rpartition("New evidence:")
+        evidence = evidence.rpartition(f"\n\n{QUESTION_LAST}")[0]
         current = head.rpartition("Current notes:")[2]
-        return oracle_notes(current, evidence, self.paths[uid])
+        return oracle_notes(current, evidence, self.paths[uid], self.visits)
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         uid, _, k = req.rid.rpartition("/")
@@ -318,7 +352,7 @@ def main(args: argparse.Namespace) -> int:
         prompts, world = world_prompts(args.pages, args.seed, args.num_questions)
         index = Path(args.index) if args.index else \
             build_world_index(world, out.parent / f"world-{args.pages}-{args.seed}")
-    tools = [LocalSearch(index), Visit(LocalPages(index))]
+    tools = [LocalSearch(index, top_k=args.top_k), Visit(LocalPages(index))]
     cfg = AgentConfig(max_turns=args.max_turns, max_context_tokens=args.max_context_tokens,
                       sampling=SamplingParams(temperature=0.0,
                                               max_new_tokens=args.max_new_tokens),
@@ -332,7 +366,7 @@ def main(args: argparse.Namespace) -> int:
             base_url=args.teacher_url, model=args.teacher_model,
             api_key_env=args.api_key_env)), tokenizer)
     else:
-        engine = OracleEngine(tokenizer, args.agent)
+        engine = OracleEngine(tokenizer, args.agent, args.visits)
     judge = build_judge(None)
     counts = asyncio.run(run_teacher(prompts[:args.limit] if args.limit else prompts, agent,
                                      engine, oracle=not args.teacher_url, judge=judge,
@@ -366,6 +400,12 @@ def add_teacher_parser(sub: Any) -> None:
     t.add_argument("--no-tool-specs", dest="tool_specs", action="store_false",
                    help="leave the tools' schemas out of the system prompt (~600 tokens): for "
                         "a small policy; train, RL (rl.tool_specs=false) and eval the same way")
+    t.add_argument("--top-k", dest="top_k", type=int, default=5,
+                   help="search results per call (train, RL and eval the same way: "
+                        "env.search.top_k, eval --top-k)")
+    t.add_argument("--visits", choices=VISITS, default="when-needed",
+                   help="the IterSynth oracle visits a support page only when the search "
+                        "results did not show its fact, or every one it finds")
     t.add_argument("--max-context-tokens", dest="max_context_tokens", type=int, default=32768)
     t.add_argument("--concurrency", type=int, default=8)
     t.set_defaults(func=main)

@@ -41,8 +41,11 @@ def test_planner_synthesizer_episode() -> None:
     assert all("# Tools" in c for c in contexts[::2])
     assert not any("# Tools" in c for c in contexts[1::2])
     assert "largest city" not in contexts[2] + contexts[4]
-    # the Synthesizer sees M_t and this step's evidence
+    # the Synthesizer sees M_t and this step's evidence, then the question (what to keep is
+    # decided by it, so it stands next to where the notes are written)
     assert f"Current notes:\n{NOTES_1}" in contexts[3]
+    assert contexts[3].endswith(f"</tool_response>\n\nQuestion: {QUESTION}<|im_end|>\n"
+                                "<|im_start|>assistant\n")
     assert '[1] visit {"url": "https://en.wikipedia.org/wiki/Paris"}\n<tool_response>\nParis\n' \
            "Paris is the capital and largest city" in contexts[3]
     assert [c.name for c in traj.turns[2].tool_calls] == ["visit"]

@@ -37,6 +37,7 @@ SYNTHESIZER_PROMPT = (
     "question (with its source URL), add what the new evidence establishes, drop the rest. "
     "Write only the new notes. Do not call tools and do not answer the question.")
 NO_NOTES = "(no notes yet)"
+QUESTION_LAST = "Question: "  # it ends the Synthesizer's context
 
 
 class IterSynthAgent(BaseAgent):
@@ -72,8 +73,9 @@ class IterSynthAgent(BaseAgent):
             f"[{i}] {safe(c.name)} {safe(json.dumps(c.arguments, ensure_ascii=False))}\n"
             f"<tool_response>\n{safe(c.observation, limit)}\n</tool_response>"
             for i, c in enumerate(calls, 1))
-        user = (f"Question: {safe(question)}\n\nCurrent notes:\n{safe(summary) or NO_NOTES}"
-                f"\n\nNew evidence:\n{evidence}")
+        # the question last, next to where the notes start: what to keep is decided by it
+        user = (f"Current notes:\n{safe(summary) or NO_NOTES}\n\nNew evidence:\n{evidence}"
+                f"\n\n{QUESTION_LAST}{safe(question)}")
         return self.chat.prompt_ids(self.synthesizer_prompt, user)
 
     async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
