@@ -255,8 +255,9 @@ class WorldRubricScorer:
     # the rules: raw 1-5 scores (None = N/A) of every dimension of a role
 
     def planner(self, path: KnownPath, question: str, summary: str, text: str,
-                calls: Sequence[ToolCall], answered: bool, earlier: set[tuple[str, str]]
-                ) -> tuple[dict[str, float | None], str]:
+                calls: Sequence[ToolCall], answered: bool, earlier: set[tuple[str, str]],
+                ran_out: bool = False) -> tuple[dict[str, float | None], str]:
+        """`ran_out`: the episode's last Planner turn, and the turn budget ended it unanswered."""
         seen = _Text(summary)
         held = _holds(seen, path)
         hop = next((k for k, h in enumerate(held) if not h), None)
@@ -308,8 +309,10 @@ class WorldRubricScorer:
         # answer_timing
         if answered:
             scores["answer_timing"] = 5.0 if has_answer else 1.0
-        elif not calls:
-            scores["answer_timing"] = 1.0  # neither answers nor acts: the episode ends unanswered
+        elif not calls or ran_out:
+            # neither answers nor acts, or searches on until the turns run out: either way the
+            # episode ends unanswered (else searching forever outscores any guess)
+            scores["answer_timing"] = 1.0
         elif not seen.text:
             scores["answer_timing"] = None
         else:
@@ -374,7 +377,8 @@ class WorldRubricScorer:
                                                   and not m.calls)
                 if "planner" in self.rubrics:
                     dims, detail = self.planner(path, question, summary, text, m.calls,
-                                                answered, earlier)
+                                                answered, earlier, ran_out=last and not answered
+                                                and "max_turns" in traj.labels)
                 evidence = m.calls
             elif m.role == "synthesizer":
                 if "synthesizer" in self.rubrics:
