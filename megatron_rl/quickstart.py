@@ -36,7 +36,7 @@ class Budget:
     one_hop_questions: int = 3000  # extra one-hop SFT episodes, none touching a held-out page
     vocab_size: int = 2048   # BPE merges; every page title and URL is one more id on top
     pretrain_steps: int = 300      # next-token steps on page windows before SFT
-    sft_steps: int = 200
+    sft_steps: int = 400
     rl_steps: int = 8
     eval_questions: int = 0        # 0: the whole held-out split
     step_episodes: int = 16        # held-out oracle episodes `eval-steps` replays per model
@@ -56,7 +56,7 @@ SMOKE = Budget(pages=1500, questions=40, held_out_fraction=0.2, one_hop_question
 # never learned that; 128-wide at lr 1e-3 does, when a name's repeat weighs more in the loss
 # (in the page windows it is pre-trained on first, then in the episodes), and when the
 # Planner's prompt leaves out the tool specs (docs/sft.md); training the context did not help.
-MODEL = "tiny-moe-wide"
+MODEL = "tiny-moe-agent"
 INIT = ("--tie-embeddings", "--embedding-std", "0.125")
 SFT_OPTIM = ("optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=10")
 PRETRAIN_SEQ = 96
@@ -65,7 +65,12 @@ COPY_WEIGHT = 5       # page windows: 6 % -> 60 % of repeated names right
 # them the Planner copied no held-out name (0 of 60); without them 81 % of its first queries'
 # names came out right (docs/sft.md)
 SPECS = ("--no-tool-specs",)
-SFT_COPY_WEIGHT = 20  # episodes: 1.8 % -> 25 % of held-out names at 5 -> 20 (50: no better)
+SFT_COPY_WEIGHT = 10  # episodes: at 20 the Planner wrote the name where the call's format goes
+# two search results per call (teacher, RL, eval): the Synthesizer picks the fact's sentence
+# out of ~10 instead of ~25 (notes' names 50 % -> 65 % right)
+TOP_K = 2
+TWO_HOP_REPEATS = 3   # the 2-hop episodes thrice beside the 1,056 one-hop ones: else the
+                      # policy learns to answer after one fact
 
 
 @dataclass
@@ -84,10 +89,12 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
     agents = ("itersynth", "react") if react else ("itersynth",)
     ev = ["--agent", "itersynth", "--questions", str(held_out), "--index", str(index),
           "--max-turns", "12", "--max-new-tokens", "160", "--temperature", "0", *SPECS,
+          "--top-k", str(TOP_K),
           *(["--limit", str(b.eval_questions)] if b.eval_questions else [])]
     one_hop = q / "one_hop"
     demos = [*agents, "one-hop"]
-    kept = [str(t / f"{name}.kept.jsonl") for name in demos]
+    kept = [str(t / f"{name}.kept.jsonl")
+            for name in demos for _ in range(TWO_HOP_REPEATS if name != "one-hop" else 1)]
     out_list = [
         Stage("world", ["data", "world", "--pages", str(b.pages), "--seed", str(seed),
                         "--out", str(w / "corpus.parquet"), "--index", str(index)],
@@ -114,14 +121,15 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
         out_list.append(Stage(f"teacher-{name}", [
             "data", "teacher", "--agent", "itersynth" if name == "one-hop" else name,
             "--questions", str(questions), "--index", str(index), "--tokenizer", str(tok),
-            *SPECS, "--out", str(t / f"{name}.jsonl")], t / f"{name}.jsonl"))
+            *SPECS, "--top-k", str(TOP_K), "--out", str(t / f"{name}.jsonl")],
+            t / f"{name}.jsonl"))
         out_list.append(Stage(f"filter-{name}", [
             "data", "filter", str(t / f"{name}.jsonl"), str(t / f"{name}.kept.jsonl"),
             "--min-depth", "1" if name == "one-hop" else "2",
             "--report", str(t / f"filter-{name}.json")], t / f"{name}.kept.jsonl"))
     out_list.append(Stage("teacher-held-out", [
         "data", "teacher", "--agent", "itersynth", "--questions", str(held_out),
-        "--index", str(index), "--tokenizer", str(tok), *SPECS,
+        "--index", str(index), "--tokenizer", str(tok), *SPECS, "--top-k", str(TOP_K),
         "--out", str(t / "held_out.jsonl")], t / "held_out.jsonl"))
     out_list += [
         Stage("pretrain", ["sft", "tiny-moe-sft-cpu", f"model.hf_path={model}",
@@ -149,7 +157,8 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
                      f"checkpoint.init_from={out / 'sft/checkpoints'}",
                      f"data.train_files=[{q / 'train.parquet'}]",
                      f"data.val_files=[{held_out}]", "env.search.kind=local",
-                     f"env.search.index={index}", "env.visit.kind=local", "rl.tool_specs=false",
+                     f"env.search.index={index}", f"env.search.top_k={TOP_K}",
+                     "env.visit.kind=local", "rl.tool_specs=false",
                      f"train.steps={b.rl_steps}", f"train.seed={seed}",
                      f"train.output_dir={out / 'rl'}", f"checkpoint.dir={out / 'rl/checkpoints'}",
                      *b.extra_rl], out / "rl/hf"),
