@@ -55,7 +55,8 @@ SMOKE = Budget(pages=1500, questions=40, held_out_fraction=0.2, one_hop_question
 # question and the results into its queries, URLs and notes. The 64-wide tiny-moe at lr 1e-2
 # never learned that; 128-wide at lr 1e-3 does, when a name's repeat weighs more in the loss
 # (in the page windows it is pre-trained on first, then in the episodes), and when the
-# Planner's prompt leaves out the tool specs (docs/sft.md); training the context did not help.
+# Planner's prompt leaves out the tool specs; 4 layers (`tiny-moe-agent`) copy more of the
+# evidence's sentences than 2 (docs/sft.md); training the context did not help.
 MODEL = "tiny-moe-agent"
 INIT = ("--tie-embeddings", "--embedding-std", "0.125")
 SFT_OPTIM = ("optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=10")
