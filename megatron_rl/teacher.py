@@ -9,8 +9,8 @@ same trajectory JSONL the RL loop dumps (the input of filters and SFT).
   is a function of what the Planner sees, the question and the notes (`oracle_plan_step`:
   answer once a fact names the answer, else search the deepest entity the facts name, or
   visit the next hop's page when the results did not state its fact), so that a policy can
-  learn it; the Synthesizer keeps the current notes and adds a line per new fact (the first
-  sentence of the evidence naming a bridge entity or the answer) or, when there is none, the
+  learn it; the Synthesizer keeps the current notes and adds a line per new fact (the
+  evidence's sentence linking the hop's subject to its bridge entity or answer) or, if none, the
   support pages found among the results (`[title](URL)`; `(read)` once visited). `--visits
   every-page` visits every support page found. The queries and observations are real
   (real index, real pages); a trajectory records in `metadata["teacher"]["grounded"]` whether
