@@ -36,7 +36,7 @@ class Budget:
     one_hop_questions: int = 3000  # extra one-hop SFT episodes, none touching a held-out page
     vocab_size: int = 2048   # BPE merges; every page title and URL is one more id on top
     pretrain_steps: int = 300      # next-token steps on page windows before SFT
-    sft_steps: int = 800     # 400: held-out pass@1 0.023; 800: 0.326 (docs/sft.md)
+    sft_steps: int = 800     # held-out pass@1 at 400: 0.023; at 800: 0.28-0.33 (docs/sft.md)
     rl_steps: int = 8
     eval_questions: int = 0        # 0: the whole held-out split
     step_episodes: int = 16        # held-out oracle episodes `eval-steps` replays per model
