@@ -70,6 +70,7 @@ SFT_COPY_WEIGHT = 10  # episodes: at 20 the Planner wrote the name where the cal
 # two search results per call (teacher, RL, eval): the Synthesizer picks the fact's sentence
 # out of ~10 instead of ~25 (notes' names 50 % -> 65 % right)
 TOP_K = 2
+AGENT_ARGS = (*SPECS, "--top-k", str(TOP_K))  # teacher and eval see what RL sees
 TWO_HOP_REPEATS = 3   # the 2-hop episodes thrice beside the 1,056 one-hop ones: else the
                       # policy learns to answer after one fact
 
@@ -89,8 +90,8 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
     held_out = q / "held_out.parquet"
     agents = ("itersynth", "react") if react else ("itersynth",)
     ev = ["--agent", "itersynth", "--questions", str(held_out), "--index", str(index),
-          "--max-turns", "12", "--max-new-tokens", "160", "--temperature", "0", *SPECS,
-          "--top-k", str(TOP_K),
+          "--max-turns", "12", "--max-new-tokens", "160", "--temperature", "0",
+          *AGENT_ARGS,
           *(["--limit", str(b.eval_questions)] if b.eval_questions else [])]
     one_hop = q / "one_hop"
     demos = [*agents, "one-hop"]
@@ -122,15 +123,14 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
         out_list.append(Stage(f"teacher-{name}", [
             "data", "teacher", "--agent", "itersynth" if name == "one-hop" else name,
             "--questions", str(questions), "--index", str(index), "--tokenizer", str(tok),
-            *SPECS, "--top-k", str(TOP_K), "--out", str(t / f"{name}.jsonl")],
-            t / f"{name}.jsonl"))
+            *AGENT_ARGS, "--out", str(t / f"{name}.jsonl")], t / f"{name}.jsonl"))
         out_list.append(Stage(f"filter-{name}", [
             "data", "filter", str(t / f"{name}.jsonl"), str(t / f"{name}.kept.jsonl"),
             "--min-depth", "1" if name == "one-hop" else "2",
             "--report", str(t / f"filter-{name}.json")], t / f"{name}.kept.jsonl"))
     out_list.append(Stage("teacher-held-out", [
         "data", "teacher", "--agent", "itersynth", "--questions", str(held_out),
-        "--index", str(index), "--tokenizer", str(tok), *SPECS, "--top-k", str(TOP_K),
+        "--index", str(index), "--tokenizer", str(tok), *AGENT_ARGS,
         "--out", str(t / "held_out.jsonl")], t / "held_out.jsonl"))
     out_list += [
         Stage("pretrain", ["sft", "tiny-moe-sft-cpu", f"model.hf_path={model}",
