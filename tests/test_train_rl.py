@@ -61,6 +61,19 @@ def test_rl_loop_runs_and_records_everything(nproc, tmp_path):
     assert (tmp_path / "ckpt" / "step_000002").is_dir()
 
 
+def test_the_trainer_scores_tokens_at_the_sampling_temperature(tmp_path):
+    """At rl.temperature 0.5 the engine samples softmax(logits / 0.5); the trainer's log-probs
+    of those tokens (old log-probs, ratio, entropy) must be of the same distribution, so the
+    first step (same weights on both sides) shows no mismatch. Scored at T = 1 they would
+    differ by far more than kernel noise."""
+    rows = _run(tmp_path, 1, ["train.steps=1", "rl.temperature=0.5"])
+    diff = rows[0]["mismatch/train_rollout_logprob_abs_diff"]
+    assert diff < 1e-4, diff
+    at_one = _run(tmp_path / "t1", 1, ["train.steps=1", "rl.temperature=1.0"])
+    assert at_one[0]["mismatch/train_rollout_logprob_abs_diff"] < 1e-4
+    assert rows[0]["entropy"] < at_one[0]["entropy"]  # a sharper distribution
+
+
 def test_the_loop_learns_the_sanity_task(tmp_path):
     """Engine sampling → reward → GRPO update → sync → better samples: the share of even
     tokens (a random policy's ~0.5) climbs past 0.8 in 20 steps."""

@@ -37,13 +37,20 @@ class MegatronActor:
     each rank keeps only its data-parallel shard.
     """
 
-    def __init__(self, cfg: Config, spec: ModelSpec | None = None):
+    def __init__(self, cfg: Config, spec: ModelSpec | None = None, *,
+                 temperature: float = 1.0):
+        """`temperature`: log-probs, entropy and the loss are those of softmax(logits / T),
+        the distribution the engine sampled from (verl's logits / T); 1 for SFT."""
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.distributed.distributed_data_parallel_config import (
             DistributedDataParallelConfig,
         )
 
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature}: log-probs need T > 0 (greedy "
+                             "sampling has none to train on)")
         self.cfg = cfg
+        self.temperature = temperature
         self.spec = spec or model_spec(cfg.model)
         self.layout: Layout = init_model_parallel(cfg.parallel, cfg.train.seed)
         if self.spec.is_moe and self.spec.num_experts % cfg.parallel.ep:
@@ -162,14 +169,11 @@ class MegatronActor:
         return self._forward_backward(batch, loss_fn, forward_only=True)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TokenBatch, temperature: float = 1.0
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_logprobs(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy of `batch.labels` for the whole batch, on every rank, as
         [rows, seq] in the batch's row order. With token-budget micro-batches positions after
         a row's last trained target (and rows that train nothing) are not computed: 0."""
-        processor = logprob_output_processor(self.spec.vocab_size, temperature,
-                                             self.cfg.train.logprob_chunk_tokens)
-        full = self._forward_collect(batch, processor)
+        full = self._forward_collect(batch, self._logprob_processor())
         return full[..., 0], full[..., 1]
 
     @torch.no_grad()
@@ -257,12 +261,15 @@ class MegatronActor:
             if self.rope is not None:
                 self.rope.positions = None
 
+    def _logprob_processor(self):
+        return logprob_output_processor(self.spec.vocab_size, self.temperature,
+                                        self.cfg.train.logprob_chunk_tokens)
+
     def _schedule(self, micro: list[TokenBatch], loss_func, *, forward_only: bool,
                   collect: bool, processor=None, trained_only: bool = False) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        processor = processor or logprob_output_processor(
-            self.spec.vocab_size, 1.0, self.cfg.train.logprob_chunk_tokens)
+        processor = processor or self._logprob_processor()
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)

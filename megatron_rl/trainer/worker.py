@@ -32,7 +32,8 @@ class TrainerWorker:
         `checkpoint.init_from` or `initial` (model.hf_path, converted by the driver). The KL
         reference is the weights the run started from, also after a resume."""
         self.cfg = cfg
-        self.actor = MegatronActor(cfg)
+        # scored as the engine samples: softmax(logits / rl.temperature)
+        self.actor = MegatronActor(cfg, temperature=cfg.rl.temperature or 1.0)
         kl = bool(cfg.rl.loss.kl_coef)
         ck = cfg.checkpoint
         start = None if ck.load else ck.init_from or initial
