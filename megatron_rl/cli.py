@@ -296,8 +296,8 @@ def _quickstart(args: argparse.Namespace) -> int:
 
     try:
         quickstart(Path(args.out), seed=args.seed, smoke=args.smoke, ablation=args.ablation,
-                   run=_main_in_process)
-    except (RuntimeError, FileNotFoundError) as e:
+                   rl_seeds=args.rl_seeds, run=_main_in_process)
+    except (RuntimeError, FileNotFoundError, ValueError) as e:
         print(f"megatron-rl quickstart: {e}", file=sys.stderr)
         return 1
     return 0
@@ -443,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", default="runs/quickstart")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--smoke", action="store_true", help="tiny budgets: an end-to-end check")
+    q.add_argument("--rl-seeds", dest="rl_seeds", type=int, default=1, help="the RL stage and "
+                   "its eval at this many seeds from the same SFT checkpoint (the report gives "
+                   "mean ± std and the gain over SFT)")
     q.add_argument("--ablation", action="store_true", help="also RL with GRPO, mixed-role "
                    "RDPO and ReAct+GRPO from the same SFT start, evaluated alike")
     q.set_defaults(func=_quickstart)

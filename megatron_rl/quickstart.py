@@ -1,11 +1,12 @@
 """`megatron-rl quickstart [--out DIR] [--seed S]`: the embedded default, end to end, as the
 commands a user would type (each printed before it runs):
 
-world + index → synthesized, verified questions (train / held-out split by answer entity) →
+world + index → synthesized, verified questions (SFT / RL / held-out splits by answer entity) →
 a tokenizer trained on the world → a tiny HF MoE initialised over it → oracle-teacher IterSynth
 and ReAct trajectories → filters → `sft` → RDPO with the IterSynth agent against the local index
-(the rule judge and the rule rubric) → HF export → held-out evaluation of the untrained, SFT and
-RL models → `report.md`, curves and the trajectory viewer.
+on questions SFT never answered (the rule judge and the rule rubric) → HF export → held-out
+evaluation of the untrained, SFT and RL models → `report.md`, curves and the trajectory viewer.
+`--rl-seeds N` repeats the RL stage at N seeds from the same SFT checkpoint.
 
 Every stage leaves an artifact and a line in `<out>/stages.json`; a re-run skips the stages
 already done (delete a stage's line, or its artifact, to redo it). `--smoke` shrinks every
@@ -30,21 +31,23 @@ from megatron_rl.report import write_report
 class Budget:
     """What a quickstart run spends; `SMOKE` is the test's."""
 
-    pages: int = 8000        # ~210 unique-step questions (30000 pages: ~470, a lower
-    questions: int = 300     # held-out SFT loss, but 28 min end to end)
+    pages: int = 16000       # ~340 unique-step 2-hop questions
+    questions: int = 600
     held_out_fraction: float = 0.2
+    rl_fraction: float = 0.3  # RL's own questions: answers neither SFT nor held-out has
     one_hop_questions: int = 3000  # extra one-hop SFT episodes, none touching a held-out page
     vocab_size: int = 2048   # BPE merges; every page title and URL is one more id on top
     pretrain_steps: int = 300      # next-token steps on page windows before SFT
     sft_steps: int = 800     # held-out pass@1 at 400: 0.023; at 800: 0.28-0.33 (docs/sft.md)
-    rl_steps: int = 8
+    rl_steps: int = 16
     eval_questions: int = 0        # 0: the whole held-out split
     step_episodes: int = 16        # held-out oracle episodes `eval-steps` replays per model
     extra_rl: tuple[str, ...] = ()
 
 
 FULL = Budget()
-SMOKE = Budget(pages=1500, questions=40, held_out_fraction=0.2, one_hop_questions=20,
+SMOKE = Budget(pages=1500, questions=40, held_out_fraction=0.2, rl_fraction=0.2,
+               one_hop_questions=20,
                vocab_size=512, pretrain_steps=2, sft_steps=2, rl_steps=1, eval_questions=4,
                step_episodes=2,
                extra_rl=("rl.sampling.groups_per_step=1", "rl.sampling.samples_per_prompt=2",
@@ -87,7 +90,7 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
     ReAct variant needs them; they are ~3x longer sequences than IterSynth's)."""
     w, q, t = out / "world", out / "questions", out / "teacher"
     index, model, tok = w / "index", out / "model", out / "tokenizer"
-    held_out = q / "held_out.parquet"
+    held_out, rl_questions = q / "held_out.parquet", q / "rl.parquet"
     agents = ("itersynth", "react") if react else ("itersynth",)
     ev = ["--agent", "itersynth", "--questions", str(held_out), "--index", str(index),
           "--max-turns", "12", "--max-new-tokens", "160", "--temperature", "0",
@@ -105,12 +108,13 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
                             "--questions", str(b.questions), "--max-seeds", str(b.pages),
                             "--min-hops", "2", "--max-hops", "2", "--anchor", "named",
                             "--unique-steps", "--held-out-fraction", str(b.held_out_fraction),
-                            "--out", str(q)], held_out),
+                            "--split", f"rl={b.rl_fraction}", "--out", str(q)], rl_questions),
         Stage("questions-one-hop", [
             "data", "synthesize", "--pages", str(b.pages), "--seed", str(seed),
             "--questions", str(b.one_hop_questions), "--max-seeds", str(4 * b.pages),
             "--min-hops", "1", "--max-hops", "1", "--anchor", "named", "--unique-steps",
-            "--held-out-fraction", "0", "--avoid", str(held_out), "--out", str(one_hop)],
+            "--held-out-fraction", "0", "--avoid", str(held_out), "--avoid", str(rl_questions),
+            "--out", str(one_hop)],
             one_hop / "train.parquet"),
         Stage("tokenizer", ["data", "tokenizer", "--corpus", str(w / "corpus.parquet"),
                             "--out", str(tok), "--vocab-size", str(b.vocab_size),
@@ -156,7 +160,7 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
                       "checkpoint.export_hf=true"], out / "sft/hf"),
         Stage("rl", ["train", "tiny-moe-rdpo-cpu", f"model.hf_path={model}",
                      f"checkpoint.init_from={out / 'sft/checkpoints'}",
-                     f"data.train_files=[{q / 'train.parquet'}]",
+                     f"data.train_files=[{rl_questions}]",
                      f"data.val_files=[{held_out}]", "env.search.kind=local",
                      f"env.search.index={index}", f"env.search.top_k={TOP_K}",
                      "env.visit.kind=local", "rl.tool_specs=false",
@@ -187,23 +191,37 @@ ABLATION = {
 }
 
 
-def ablation_stages(out: Path, main: list[Stage]) -> list[Stage]:
-    """One RL run and its held-out eval per variant; RDPO itself is the main run."""
+def rl_variant(out: Path, main: list[Stage], name: str, overrides: list[str],
+               agent: str = "itersynth") -> list[Stage]:
+    """The main RL stage again into `out/<name>` with `overrides`, and its held-out eval."""
     rl = next(s for s in main if s.name == "rl")
     ev = next(s for s in main if s.name == "eval-rl")
-    extra = []
-    for name, overrides in ABLATION.items():
-        run = out / f"ablation/{name}"
-        argv = [a for a in rl.argv if not a.startswith(("train.output_dir=", "checkpoint.dir="))]
-        extra.append(Stage(f"rl-{name}", [*argv, *overrides, f"train.output_dir={run}",
-                                          f"checkpoint.dir={run / 'checkpoints'}"], run / "hf"))
-        agent = "react" if "rl.agent=react" in overrides else "itersynth"
-        eargv = list(ev.argv)
-        eargv[eargv.index("--model-dir") + 1] = f"{{ablation/{name}/hf}}"
-        eargv[eargv.index("--agent") + 1] = agent
-        eargv[eargv.index("--out") + 1] = str(out / f"eval/{name}")
-        extra.append(Stage(f"eval-{name}", eargv, out / f"eval/{name}/summary.json"))
-    return extra
+    run = out / name
+    replaced = ("train.output_dir=", "checkpoint.dir=", *{o.split("=", 1)[0] + "="
+                                                          for o in overrides})
+    argv = [a for a in rl.argv if not a.startswith(replaced)]
+    label = name.rsplit("/", 1)[-1]
+    eargv = list(ev.argv)
+    eargv[eargv.index("--model-dir") + 1] = f"{{{name}/hf}}"
+    eargv[eargv.index("--agent") + 1] = agent
+    eargv[eargv.index("--out") + 1] = str(out / f"eval/{label}")
+    return [Stage(f"rl-{label}", [*argv, *overrides, f"train.output_dir={run}",
+                                  f"checkpoint.dir={run / 'checkpoints'}"], run / "hf"),
+            Stage(f"eval-{label}", eargv, out / f"eval/{label}/summary.json")]
+
+
+def ablation_stages(out: Path, main: list[Stage]) -> list[Stage]:
+    """One RL run and its held-out eval per variant; RDPO itself is the main run."""
+    return [stage for name, overrides in ABLATION.items()
+            for stage in rl_variant(out, main, f"ablation/{name}", overrides,
+                                    "react" if "rl.agent=react" in overrides else "itersynth")]
+
+
+def seed_stages(out: Path, main: list[Stage], seed: int, rl_seeds: int) -> list[Stage]:
+    """The RL stage from the same SFT checkpoint at `rl_seeds - 1` more seeds (rollout
+    sampling and question order): the spread the RL gain is measured against."""
+    return [stage for k in range(1, rl_seeds)
+            for stage in rl_variant(out, main, f"seed{k}", [f"train.seed={seed + k}"])]
 
 
 def _latest_export(folder: Path) -> Path:
@@ -279,10 +297,26 @@ def _steps_rows(out: Path) -> list[str]:
     return rows
 
 
-def report(out: Path, state: dict[str, Any], ablation: bool = False) -> Path:
+def _seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
+    """RL's held-out pass@1 per seed, their mean and spread, and the gain over SFT."""
+    names = ["rl", *(f"seed{k}" for k in range(1, rl_seeds))]
+    acc = [json.loads((out / f"eval/{n}/summary.json").read_text())["pass@1"] for n in names]
+    sft = json.loads((out / "eval/sft/summary.json").read_text())["pass@1"]
+    mean = sum(acc) / len(acc)
+    std = (sum((a - mean) ** 2 for a in acc) / max(len(acc) - 1, 1)) ** 0.5
+    return ["| RL seed | pass@1 | minus SFT |", "|---|---|---|",
+            *[f"| {seed + k} | {a:.3f} | {a - sft:+.3f} |" for k, a in enumerate(acc)],
+            f"| mean ± std | {mean:.3f} ± {std:.3f} | {mean - sft:+.3f} |"]
+
+
+def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int = 0,
+           rl_seeds: int = 1) -> Path:
     """`report.md`: stage timings, held-out accuracy per model, SFT and RL numbers, pictures."""
     pictures = write_report(out / "rl", out / "report")
     rows = [_eval_row(out, name) for name in ("untrained", "sft", "rl")]
+    if rl_seeds > 1:
+        rows += ["", f"## RL over {rl_seeds} seeds (same SFT start)", "",
+                 *_seed_rows(out, seed, rl_seeds)]
     head = ["| model | pass@1 | questions | tool calls / question | context tokens / episode |",
             "|---|---|---|---|---|"]
     if ablation:
@@ -321,14 +355,18 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False) -> Path:
 
 
 def quickstart(out: Path, seed: int = 0, smoke: bool = False, ablation: bool = False,
-               run: Runner = in_subprocess) -> Path:
-    """`run`: how a stage's command runs (the CLI runs them in its own process: torch and
+               rl_seeds: int = 1, run: Runner = in_subprocess) -> Path:
+    """`rl_seeds`: the RL stage (and its eval) at that many seeds, from the same SFT start.
+    `run`: how a stage's command runs (the CLI runs them in its own process: torch and
     transformers are imported once, not once per stage)."""
+    if rl_seeds < 1:
+        raise ValueError(f"rl_seeds={rl_seeds}: at least 1")
     out.mkdir(parents=True, exist_ok=True)
-    todo = stages(out, seed, SMOKE if smoke else FULL, react=ablation)
+    main = stages(out, seed, SMOKE if smoke else FULL, react=ablation)
+    todo = main + seed_stages(out, main, seed, rl_seeds)
     if ablation:
-        todo += ablation_stages(out, todo)
+        todo += ablation_stages(out, main)
     state = run_stages(out, todo, run)
-    path = report(out, state, ablation)
+    path = report(out, state, ablation, seed, rl_seeds)
     print(f"[quickstart] report: {path}", flush=True)
     return path

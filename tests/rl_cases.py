@@ -54,6 +54,27 @@ def update(overrides: list[str], init: str) -> dict:
     return {**metrics, "row_delta": delta.tolist()}
 
 
+def zero_advantage_drift(overrides: list[str], init: str) -> dict:
+    """A GRPO update on a group whose rewards all agree (every advantage 0): the largest
+    change of any weight, the router's included."""
+    actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
+                                   *overrides])
+    load_checkpoint(actor, init, optimizer=False, rng=False)
+    trajs = group_of_rollouts(rewards=(1.0, 1.0, 1.0, 1.0))
+    adv, _ = turn_advantages("grpo", trajs)
+    seqs = [t.sequences()[0] for t in trajs]
+    per_token = [token_advantages([s], a)[0] for s, a in zip(seqs, adv, strict=True)]
+    batch = build_batch(seqs, per_token, seq_length=SEQ, pad_id=0, rows_multiple=2)
+    module = actor.model[0].module
+    before = {k: v.detach().clone() for k, v in module.state_dict().items()
+              if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    metrics = policy_update(actor, batch, PolicyLossConfig(), TISConfig())
+    after = module.state_dict()
+    moved = {k: float((after[k] - v).abs().max()) for k, v in before.items()}
+    return {"loss": metrics["loss"], "max_change": max(moved.values()),
+            "router_change": max(v for k, v in moved.items() if "router" in k)}
+
+
 def one_step_as_before(overrides: list[str], init: str) -> dict:
     """K = 1 against the update as it was before mini-batches: old log-probs, then one
     `train_step` of the loss (no TIS). Both from the same initial weights."""

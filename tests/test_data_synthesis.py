@@ -200,8 +200,28 @@ def test_verl_parquet_loads_and_splits_by_answer(result, tmp_path):
     assert not train_keys & held_keys
     share = len(held_keys) / (len(train_keys) + len(held_keys))
     assert 0.1 < share < 0.3, share
-    with pytest.raises(ValueError, match="held_out_fraction"):
+    with pytest.raises(ValueError, match="held_out fraction"):
         split_by_answer(r.qas, 1.0, 0)
+
+
+def test_named_splits_share_no_answer_and_leave_the_held_out_split_as_it_was(result):
+    """`--split rl=0.3`: a third split (RL questions neither SFT nor the held-out set
+    answers); the held-out split is the one it would be without it."""
+    _, r = result
+    alone = split_by_answer(r.qas, 0.2, 0)
+    three = split_by_answer(r.qas, 0.2, 0, {"rl": 0.3})
+    assert three["held_out"] == alone["held_out"]
+    keys = {name: {q.answer_key for q in part} for name, part in three.items()}
+    assert all(keys.values())
+    assert not keys["train"] & keys["rl"] and not keys["rl"] & keys["held_out"]
+    assert not keys["train"] & keys["held_out"]
+    assert sum(map(len, three.values())) == len(r.qas)
+    n = len({q.answer_key for q in r.qas})
+    assert abs(len(keys["rl"]) - 0.3 * n) <= 1, (len(keys["rl"]), n)
+    for bad, why in (({"rl": 0.9}, "sum below 1"), ({"train": 0.1}, "named train"),
+                     ({"rl": -0.1}, "rl fraction")):
+        with pytest.raises(ValueError, match=why):
+            split_by_answer(r.qas, 0.2, 0, bad)
 
 
 def test_synthesize_subcommand(tmp_path, capsys):
@@ -217,6 +237,21 @@ def test_synthesize_subcommand(tmp_path, capsys):
     counts = json.loads((out / "counts.json").read_text())
     assert counts["kept"] == 25 and counts["pages"] == 600
     assert len(read_prompts([out / "train.parquet", out / "held_out.parquet"])) == 25
+    for bad in (["--split", "train=0.2"], ["--split", "rl"], ["--split", "rl=x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["synthesize", "--out", str(out), *bad])
+    args = parser.parse_args(["synthesize", "--pages", "600", "--questions", "25", "--out",
+                              str(tmp_path / "bad"), "--held-out-fraction", "0.5",
+                              "--split", "rl=0.5"])
+    assert args.func(args) == 2 and "sum below 1" in capsys.readouterr().out
+    assert not (tmp_path / "bad").exists()  # refused before any synthesis
+    args = parser.parse_args(["synthesize", "--pages", "600", "--questions", "25", "--seed", "3",
+                              "--held-out-fraction", "0.2", "--split", "rl=0.2",
+                              "--out", str(tmp_path / "three")])
+    assert args.func(args) == 0
+    parts = {n: read_prompts([tmp_path / "three" / f"{n}.parquet"])
+             for n in ("train", "rl", "held_out")}
+    assert sum(map(len, parts.values())) == 25 and all(parts.values())
 
 
 def test_avoid_keeps_an_extra_training_set_off_the_held_out_pages(tmp_path, capsys):

@@ -50,6 +50,22 @@ def test_two_ranks_match_one(layout, reference):
             assert abs(got[key] - ref[key]) <= TOL * max(1.0, abs(ref[key])), (layout, key)
 
 
+def test_with_no_advantage_only_the_load_balancing_loss_moves_weights(reference):
+    """All rewards equal: the policy loss is 0, yet Adam turns the MoE load-balancing
+    gradient alone into lr-sized steps of the router and every weight before it (what made
+    RL from SFT drift, docs/algorithms.md). `model.router_aux_loss_coef=0` (the RL recipes')
+    leaves the weights exactly as they were."""
+    init, _ = reference
+    lr = 1e-3
+    with_aux = get_pool(1).run(rl_cases.zero_advantage_drift, [f"optim.lr={lr}"], init)[0]
+    print(f"\nzero advantages, aux on: {with_aux}")
+    assert with_aux["loss"] == 0.0
+    assert with_aux["router_change"] > 0.5 * lr and with_aux["max_change"] > 0.5 * lr
+    off = get_pool(1).run(rl_cases.zero_advantage_drift,
+                          [f"optim.lr={lr}", "model.router_aux_loss_coef=0"], init)[0]
+    assert off["max_change"] == 0.0 and off["loss"] == 0.0
+
+
 def test_one_mini_batch_keeps_the_single_step_numbers(reference):
     init, _ = reference
     got = get_pool(1).run(rl_cases.one_step_as_before, [], init)[0]

@@ -137,29 +137,33 @@ def test_tokenizer_init_hf_and_eval_of_an_hf_folder(tmp_path):
 
 def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     out = tmp_path / "qs"
-    _cli("quickstart", "--out", str(out), "--smoke", timeout=900, fresh=True)
+    _cli("quickstart", "--out", str(out), "--smoke", "--rl-seeds", "2", timeout=900,
+         fresh=True)
     state = json.loads((out / "stages.json").read_text())
     assert list(state) == ["world", "questions", "questions-one-hop", "tokenizer", "model",
                            "teacher-itersynth", "filter-itersynth", "teacher-one-hop",
                            "filter-one-hop", "teacher-held-out", "pretrain", "sft", "rl",
                            "eval-untrained", "eval-sft", "eval-rl", "steps-untrained",
-                           "steps-sft", "steps-rl"]
+                           "steps-sft", "steps-rl", "rl-seed1", "eval-seed1"]
+    assert "train.seed=1" in state["rl-seed1"]["argv"]
+    assert "train.seed=0" not in state["rl-seed1"]["argv"]
     for path in ("world/index", "questions/held_out.parquet", "tokenizer/tokenizer.json",
                  "model/config.json", "teacher/itersynth.kept.jsonl", "sft/hf",
                  "rl/hf", "rl/trajectories.jsonl", "eval/rl/summary.json",
                  "report/trajectories.html", "report/reward_accuracy.png"):
         assert (out / path).exists(), path
-    # train and held-out questions share no answer entity
-    train = {r["extra_info"]["answer_entity"]
-             for r in pq.read_table(out / "questions/train.parquet").to_pylist()}
-    held = {r["extra_info"]["answer_entity"]
-            for r in pq.read_table(out / "questions/held_out.parquet").to_pylist()}
-    assert train and held and not train & held
-    # the extra one-hop SFT questions touch no held-out page either
+    # SFT (train), RL and held-out questions share no answer entity; RL trains on its own
+    rows = {n: pq.read_table(out / f"questions/{n}.parquet").to_pylist()
+            for n in ("train", "rl", "held_out")}
+    answers = {n: {r["extra_info"]["answer_entity"] for r in part} for n, part in rows.items()}
+    assert all(answers.values())
+    assert not answers["train"] & answers["held_out"] and not answers["rl"] & answers["held_out"]
+    assert not answers["train"] & answers["rl"]
+    assert f"data.train_files=[{out / 'questions/rl.parquet'}]" in state["rl"]["argv"]
+    # the extra one-hop SFT questions touch no held-out or RL page either
     one_hop = pq.read_table(out / "questions/one_hop/train.parquet").to_pylist()
-    held_pages = {u for r in pq.read_table(out / "questions/held_out.parquet").to_pylist()
-                  for u in r["extra_info"]["support"]}
-    assert one_hop and all(not held_pages & set(r["extra_info"]["support"]) for r in one_hop)
+    kept_off = {u for n in ("rl", "held_out") for r in rows[n] for u in r["extra_info"]["support"]}
+    assert one_hop and all(not kept_off & set(r["extra_info"]["support"]) for r in one_hop)
     # ... and they are questions about this world: the oracle solves them
     assert json.loads((out / "teacher/filter-one-hop.json").read_text())["kept"] > 0
     assert json.loads((out / "model/config.json").read_text())["tie_word_embeddings"] is True
@@ -167,6 +171,11 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     table = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \| (\d+) \|", text, re.M)
     assert [t[0] for t in table] == ["untrained", "sft", "rl"]
     assert all(0.0 <= float(acc) <= 1.0 and int(n) == 4 for _, acc, n in table)
+    spread = re.search(r"^\| mean ± std \| ([0-9.]+) ± ([0-9.]+) \| ([+-][0-9.]+) \|$", text,
+                       re.M)
+    acc = [float(a) for a in re.findall(r"^\| [01] \| ([0-9.]+) \| [+-][0-9.]+ \|$", text,
+                                        re.M)]
+    assert spread and len(acc) == 2 and abs(float(spread[1]) - sum(acc) / 2) < 1e-3, text
     steps = json.loads((out / "eval/steps-sft.json").read_text())
     assert steps["episodes"] == 2 and steps["steps"]["planner:search"]["turns"] >= 2
     cells = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \(([0-9.]+), names ([0-9.]+)\) \|",
@@ -176,5 +185,5 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     for _, png in re.findall(r"!\[([^\]]+)\]\(([^)]+)\)", text):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a re-run resumes: every stage is skipped, the report is rewritten
-    proc = _cli("quickstart", "--out", str(out), "--smoke", fresh=True)
+    proc = _cli("quickstart", "--out", str(out), "--smoke", "--rl-seeds", "2", fresh=True)
     assert proc.stdout.count("earlier run") == len(state) and "$ megatron-rl" not in proc.stdout

@@ -28,6 +28,10 @@ class ModelConfig:
     dtype: str = bounded("fp32", choices=("fp32", "bf16", "fp16"))
     seq_length: int = bounded(128, ge=8, help="longest packed sequence the trainer sees")
     recompute_activations: bool = False
+    router_aux_loss_coef: float | None = bounded(
+        None, ge=0, help="MoE load-balancing loss weight in training; None = the model's. RL "
+        "from SFT: 0, since Adam turns that gradient alone into ~lr-sized moves of every "
+        "weight it reaches (docs/algorithms.md)")
     layer_impl: str = bounded("auto", choices=("auto", "local", "transformer_engine"),
                               help="auto: Transformer Engine when it imports with CUDA, else local")
 

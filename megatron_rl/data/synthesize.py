@@ -32,7 +32,7 @@ import time
 import zlib
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -598,19 +598,41 @@ def format_counts(counts: Counter[str]) -> str:
 
 # -- verl parquet -----------------------------------------------------------------------------
 
-def split_by_answer(qas: Sequence[QA], held_out_fraction: float, seed: int
-                    ) -> tuple[list[QA], list[QA]]:
-    """Held out: the questions of a `held_out_fraction` share of the answer entities (chosen by
-    a seeded hash, so a split is stable as questions are added); no answer is in both."""
-    if not 0 <= held_out_fraction < 1:
-        raise ValueError(f"held_out_fraction={held_out_fraction}: in [0, 1)")
+def check_splits(held_out_fraction: float, shares: Mapping[str, float] | None = None
+                 ) -> dict[str, float]:
+    """The non-train splits' fractions, held_out first; ValueError names a bad one."""
+    wanted = {"held_out": held_out_fraction, **(shares or {})}
+    for name, frac in wanted.items():
+        if not 0 <= frac < 1:
+            raise ValueError(f"{name} fraction={frac}: in [0, 1)")
+    if "train" in (shares or {}) or sum(wanted.values()) >= 1:
+        raise ValueError(f"splits {wanted}: train takes the rest, so the fractions must sum "
+                         "below 1 and none may be named train")
+    return wanted
+
+
+def split_by_answer(qas: Sequence[QA], held_out_fraction: float, seed: int,
+                    shares: Mapping[str, float] | None = None) -> dict[str, list[QA]]:
+    """`train`, `held_out` and each of `shares` (name -> fraction): every split gets the
+    questions of its share of the answer entities, so no answer is in two. Entities are ranked
+    by a seeded hash; the held-out split takes the first, the named shares the next in order
+    and train the rest, so a held-out split is stable as shares are added or questions grow."""
+    wanted = check_splits(held_out_fraction, shares)
     keys = sorted({q.answer_key for q in qas},
                   key=lambda k: zlib.crc32(f"{seed}:{k}".encode()))
-    n_held = round(held_out_fraction * len(keys))
-    if held_out_fraction > 0 and len(keys) > 1:
-        n_held = min(max(n_held, 1), len(keys) - 1)
-    held = set(keys[:n_held])
-    return [q for q in qas if q.answer_key not in held], [q for q in qas if q.answer_key in held]
+    of_key: dict[str, str] = {}
+    start = 0
+    for name, frac in wanted.items():
+        n = round(frac * len(keys))
+        if frac > 0:  # a share asked for gets an entity, as long as train keeps one
+            n = max(n, 1)
+        n = max(0, min(n, len(keys) - 1 - start))
+        of_key.update(dict.fromkeys(keys[start:start + n], name))
+        start += n
+    out: dict[str, list[QA]] = {"train": [], **{name: [] for name in wanted}}
+    for q in qas:
+        out[of_key.get(q.answer_key, "train")].append(q)
+    return out
 
 
 def verl_rows(qas: Sequence[QA], split: str) -> list[dict[str, Any]]:
@@ -627,16 +649,15 @@ def verl_rows(qas: Sequence[QA], split: str) -> list[dict[str, Any]]:
 
 
 def write_verl(qas: Sequence[QA], out: str | Path, held_out_fraction: float = 0.1,
-               seed: int = 0) -> dict[str, Path]:
-    """`out/train.parquet` and `out/held_out.parquet` (the latter only if non-empty)."""
+               seed: int = 0, shares: Mapping[str, float] | None = None) -> dict[str, Path]:
+    """`out/<split>.parquet` for each non-empty split of `split_by_answer`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    train, held = split_by_answer(qas, held_out_fraction, seed)
     paths = {}
-    for name, part in (("train", train), ("held_out", held)):
+    for name, part in split_by_answer(qas, held_out_fraction, seed, shares).items():
         if part:
             paths[name] = out / f"{name}.parquet"
             pq.write_table(pa.Table.from_pylist(verl_rows(part, name)), paths[name])
@@ -665,6 +686,10 @@ def add_synthesize_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-pages", type=int, default=48, help="pages per expanded subgraph")
     p.add_argument("--text-budget", type=int, default=1500, help="characters kept per page")
     p.add_argument("--held-out-fraction", type=float, default=0.1)
+    p.add_argument("--split", action="append", default=[], metavar="NAME=FRACTION",
+                   type=_split_arg, help="one more split by answer entity, written to "
+                   "NAME.parquet (e.g. rl=0.2: RL questions whose answers neither SFT nor "
+                   "the held-out split has); repeatable; train keeps the rest")
     p.add_argument("--avoid", action="append", default=[], metavar="PARQUET",
                    help="drop questions that touch a support page or an answer entity of "
                    "these questions (e.g. a held-out split an extra training set must not "
@@ -683,11 +708,27 @@ def add_synthesize_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _split_arg(text: str) -> tuple[str, float]:
+    name, sep, frac = text.partition("=")
+    if not sep or not name.isidentifier() or name in ("train", "held_out"):
+        raise argparse.ArgumentTypeError(f"{text!r}: NAME=FRACTION with a new split name "
+                                         "(train and held_out are taken)")
+    try:
+        return name, float(frac)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: FRACTION is not a number") from None
+
+
 def run_synthesize(args: argparse.Namespace) -> int:
     return asyncio.run(_run(args))
 
 
 async def _run(a: argparse.Namespace) -> int:
+    try:
+        check_splits(a.held_out_fraction, dict(a.split))
+    except ValueError as e:
+        print(f"--held-out-fraction / --split: {e}")
+        return 2
     world = None
     if a.corpus:
         if a.synthesizer == "rule":
@@ -722,7 +763,7 @@ async def _run(a: argparse.Namespace) -> int:
     finally:
         for c in clients:
             await c.close()
-    paths = write_verl(result.qas, a.out, a.held_out_fraction, a.seed)
+    paths = write_verl(result.qas, a.out, a.held_out_fraction, a.seed, dict(a.split))
     Path(a.out, "counts.json").write_text(json.dumps(dict(result.counts), indent=1,
                                                      sort_keys=True))
     for name, path in paths.items():

@@ -73,13 +73,15 @@ def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, parallel: Parall
         moe_token_dispatcher_type=parallel.moe_dispatcher,
     )
     if spec.is_moe:
+        aux = (spec.router_aux_loss_coef if model_cfg.router_aux_loss_coef is None
+               else model_cfg.router_aux_loss_coef)
         kw.update(
             num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk,
             moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
             # Qwen: softmax over all experts → top-k → renormalise == top-k → softmax
             moe_router_pre_softmax=not spec.norm_topk_prob,
-            moe_aux_loss_coeff=spec.router_aux_loss_coef,
-            moe_router_load_balancing_type="aux_loss" if spec.router_aux_loss_coef else "none",
+            moe_aux_loss_coeff=aux,
+            moe_router_load_balancing_type="aux_loss" if aux else "none",
             moe_grouped_gemm=use_transformer_engine(model_cfg),
             moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size,
             moe_shared_expert_gate=spec.shared_expert_gate,
