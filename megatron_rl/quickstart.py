@@ -218,11 +218,16 @@ def ablation_stages(out: Path, main: list[Stage]) -> list[Stage]:
                                     "react" if "rl.agent=react" in overrides else "itersynth")]
 
 
+def seed_runs(rl_seeds: int) -> list[str]:
+    """The RL runs' names (their eval folders under `eval/`): the main run, then the seeds."""
+    return ["rl", *(f"seed{k}" for k in range(1, rl_seeds))]
+
+
 def seed_stages(out: Path, main: list[Stage], seed: int, rl_seeds: int) -> list[Stage]:
     """The RL stage from the same SFT checkpoint at `rl_seeds - 1` more seeds (rollout
     sampling and question order): the spread the RL gain is measured against."""
-    return [stage for k in range(1, rl_seeds)
-            for stage in rl_variant(out, main, f"seed{k}", [f"train.seed={seed + k}"])]
+    return [stage for k, name in enumerate(seed_runs(rl_seeds)[1:], 1)
+            for stage in rl_variant(out, main, name, [f"train.seed={seed + k}"])]
 
 
 def _latest_export(folder: Path) -> Path:
@@ -300,8 +305,8 @@ def _steps_rows(out: Path) -> list[str]:
 
 def _seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
     """RL's held-out pass@1 per seed, their mean and spread, and the gain over SFT."""
-    names = ["rl", *(f"seed{k}" for k in range(1, rl_seeds))]
-    acc = [json.loads((out / f"eval/{n}/summary.json").read_text())["pass@1"] for n in names]
+    acc = [json.loads((out / f"eval/{n}/summary.json").read_text())["pass@1"]
+           for n in seed_runs(rl_seeds)]
     sft = json.loads((out / "eval/sft/summary.json").read_text())["pass@1"]
     mean = sum(acc) / len(acc)
     std = (sum((a - mean) ** 2 for a in acc) / max(len(acc) - 1, 1)) ** 0.5
@@ -311,8 +316,9 @@ def _seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
 
 
 def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int = 0,
-           rl_seeds: int = 1) -> Path:
-    """`report.md`: stage timings, held-out accuracy per model, SFT and RL numbers, pictures."""
+           rl_seeds: int = 1, extra: frozenset[str] = frozenset()) -> Path:
+    """`report.md`: stage timings, held-out accuracy per model, SFT and RL numbers, pictures.
+    `extra`: the stages of the extra RL runs (seeds, ablation), timed apart from the path."""
     pictures = write_report(out / "rl", out / "report")
     rows = [_eval_row(out, name) for name in ("untrained", "sft", "rl")]
     if rl_seeds > 1:
@@ -328,9 +334,6 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int =
     rl = [json.loads(x) for x in (out / "rl/metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/loss"] for r in sft if "eval/loss" in r]
     counts = json.loads((out / "questions/counts.json").read_text())
-    # stages of the extra RL runs (more seeds, ablation variants) beside the main path
-    extra = {f"{kind}-{label}" for kind in ("rl", "eval") for label in
-             [*(f"seed{k}" for k in range(1, rl_seeds)), *(ABLATION if ablation else ())]}
     lines = [
         "# megatron-rl quickstart report", "",
         f"Total time {sum(v['seconds'] for v in state.values()) / 60:.1f} min"
@@ -369,10 +372,9 @@ def quickstart(out: Path, seed: int = 0, smoke: bool = False, ablation: bool = F
         raise ValueError(f"rl_seeds={rl_seeds}: at least 1")
     out.mkdir(parents=True, exist_ok=True)
     main = stages(out, seed, SMOKE if smoke else FULL, react=ablation)
-    todo = main + seed_stages(out, main, seed, rl_seeds)
-    if ablation:
-        todo += ablation_stages(out, main)
-    state = run_stages(out, todo, run)
-    path = report(out, state, ablation, seed, rl_seeds)
+    extra = seed_stages(out, main, seed, rl_seeds) + (ablation_stages(out, main)
+                                                      if ablation else [])
+    state = run_stages(out, main + extra, run)
+    path = report(out, state, ablation, seed, rl_seeds, frozenset(s.name for s in extra))
     print(f"[quickstart] report: {path}", flush=True)
     return path

@@ -31,8 +31,8 @@ def group_of_rollouts(rewards=(1.0, 0.0, 0.0, 1.0), seed: int = 5) -> list[Traje
     return out
 
 
-def rollout_batch():
-    trajs = group_of_rollouts()
+def rollout_batch(rewards=(1.0, 0.0, 0.0, 1.0)):
+    trajs = group_of_rollouts(rewards)
     adv, _ = turn_advantages("grpo", trajs)
     seqs = [t.sequences()[0] for t in trajs]
     per_token = [token_advantages([s], a)[0] for s, a in zip(seqs, adv, strict=True)]
@@ -60,11 +60,7 @@ def zero_advantage_drift(overrides: list[str], init: str) -> dict:
     actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
                                    *overrides])
     load_checkpoint(actor, init, optimizer=False, rng=False)
-    trajs = group_of_rollouts(rewards=(1.0, 1.0, 1.0, 1.0))
-    adv, _ = turn_advantages("grpo", trajs)
-    seqs = [t.sequences()[0] for t in trajs]
-    per_token = [token_advantages([s], a)[0] for s, a in zip(seqs, adv, strict=True)]
-    batch = build_batch(seqs, per_token, seq_length=SEQ, pad_id=0, rows_multiple=2)
+    batch, _ = rollout_batch(rewards=(1.0, 1.0, 1.0, 1.0))
     module = actor.model[0].module
     before = {k: v.detach().clone() for k, v in module.state_dict().items()
               if isinstance(v, torch.Tensor) and v.is_floating_point()}
