@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.config.schema import SearchConfig
+
 
 @dataclass
 class EvalConfig:
@@ -39,7 +41,7 @@ class EvalConfig:
     max_turns: int = 8
     max_new_tokens: int = 2048
     tool_specs: bool = True  # the tools' schemas in the system prompt (as the policy trained)
-    top_k: int = 5                       # search results per call that does not ask
+    top_k: int = SearchConfig.top_k      # search results per call that does not ask
     retries: int = 1                     # context management: restart an unanswered episode
     temperature: float = 0.0
 

@@ -35,6 +35,7 @@ from typing import Any
 from megatron_rl.agents.base import AgentConfig
 from megatron_rl.agents.itersynth import QUESTION_LAST
 from megatron_rl.agents.registry import AGENTS
+from megatron_rl.config.schema import SearchConfig
 from megatron_rl.engines.base import (
     GenerateRequest,
     GenerateResult,
@@ -400,7 +401,7 @@ def add_teacher_parser(sub: Any) -> None:
     t.add_argument("--no-tool-specs", dest="tool_specs", action="store_false",
                    help="leave the tools' schemas out of the system prompt (~600 tokens): for "
                         "a small policy; train, RL (rl.tool_specs=false) and eval the same way")
-    t.add_argument("--top-k", dest="top_k", type=int, default=5,
+    t.add_argument("--top-k", dest="top_k", type=int, default=SearchConfig.top_k,
                    help="search results per call (train, RL and eval the same way: "
                         "env.search.top_k, eval --top-k)")
     t.add_argument("--visits", choices=VISITS, default="when-needed",

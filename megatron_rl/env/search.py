@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.config.schema import SearchConfig
 from megatron_rl.env.base import ToolError
 from megatron_rl.env.http import HttpClient
 from megatron_rl.env.index import SearchHit, SearchIndex
@@ -19,7 +20,7 @@ from megatron_rl.env.reliability import ManagedTool, ReliabilityConfig, ToolCach
 from megatron_rl.utils.secrets import excerpt, register_secret
 
 MAX_TOP_K = 20
-DEFAULT_TOP_K = 5
+DEFAULT_TOP_K: int = SearchConfig.top_k  # the one default: env.search.top_k's
 SEARCH_PARAMETERS: dict[str, Any] = {
     "type": "object",
     "properties": {
