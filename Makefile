@@ -23,5 +23,7 @@ lint: setup
 	$(VENV)/bin/ruff check megatron_rl tests tools benchmarks
 	$(VENV)/bin/lint-imports --no-cache
 
+# on a CUDA machine: the gpu-marked tests and benchmarks/mfu.py (logs in $$OUT, default
+# runs/gpu_check); elsewhere one line and exit 0
 gpu-check: setup
-	tools/gpu_check.sh
+	tests/gpu/run_all.sh

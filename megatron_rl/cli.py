@@ -13,6 +13,7 @@ from typing import Any
 
 from megatron_rl.checkpoint.errors import CheckpointError, HFCheckpointError, WeightMapError
 from megatron_rl.config.loader import ConfigError, load_config, to_yaml
+from megatron_rl.config.schema import SearchConfig
 
 
 def _load(recipe: str, overrides: list[str]):
@@ -40,6 +41,56 @@ def _models(args: argparse.Namespace) -> int:
         print(f"{name:20s} {spec.architecture:12s} {shown:>10s} {spec.num_layers:6d} "
               f"{experts:>9s}")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Per-GPU memory of a recipe's layout (or the cheapest layout of a model on N nodes)."""
+    from megatron_rl.models import memory_plan as mp
+    from megatron_rl.models.registry import get_model_spec
+
+    if (args.recipe is None) == (args.model is None):
+        raise ConfigError("plan: give --recipe R or --model M (one of them)")
+    if args.recipe is not None:
+        cfg = load_config(args.recipe, args.overrides)
+        result = mp.plan_config(cfg, args.gpu)
+        proposal = None
+        if not result.fits and not result.device.shared:
+            # the recipe's own layout with the engine share the trainer leaves, else a search
+            proposal = mp.fit_engine_fraction(result)
+            if not proposal.fits:
+                proposal = mp.propose(get_model_spec(cfg.model.name), result.workload,
+                                      result.engine, result.device, min_gpus=result.gpus,
+                                      recompute=result.layout.recompute)
+    else:
+        if args.overrides:
+            raise ConfigError("plan: overrides go with --recipe")
+        spec = get_model_spec(args.model)
+        device = mp.get_device(args.gpu)
+        wl = mp.Workload(tokens=args.tokens, seq_length=args.tokens)
+        engine = mp.Engine(kind="sglang", layout=args.engine, num_engines=max(
+            1, args.nodes * device.gpus_per_node // args.engine_gpus), gpus=args.engine_gpus,
+            mem_fraction=args.engine_mem_fraction) if args.engine != "none" else mp.Engine()
+        world = args.nodes * device.gpus_per_node
+        if engine.layout == "disaggregated":
+            engine = dataclasses.replace(engine, num_engines=args.engine_nodes * (
+                device.gpus_per_node // args.engine_gpus))
+            world -= engine.total_gpus
+        if world < 1:
+            raise ConfigError(f"plan: --nodes {args.nodes} leaves no GPU for the trainer")
+        result = mp.propose(spec, wl, engine, device, world=world)
+        proposal = None
+        if result is None:  # nothing fits on these nodes: say how many would do
+            proposal = mp.propose(spec, wl, engine, device, min_gpus=world + 1)
+            result = mp.closest(spec, wl, engine, device, world)
+            result.notes.append(f"no layout of {spec.name} fits {args.nodes} node(s); shown: "
+                                "the one with the smallest trainer peak")
+    if args.json:
+        out = result.to_dict()
+        out["proposal"] = proposal.to_dict() if proposal is not None else None
+        print(json.dumps(out, indent=1))
+    else:
+        print(mp.format_plan(result, proposal))
+    return 0 if result.fits else 1
 
 
 def _lm_train(args: argparse.Namespace) -> int:
@@ -77,6 +128,21 @@ def _convert_megatron_to_hf(args: argparse.Namespace) -> int:
     from megatron_rl.utils.logs import quiet_libraries
 
     quiet_libraries()
+    if args.fp8:  # a bf16 export next to the target, then its FP8 twin in the target's place
+        import shutil
+        from pathlib import Path
+
+        out = Path(args.out)
+        if out.exists() and not args.overwrite:
+            raise FileExistsError(f"{out} exists (pass --overwrite to replace it)")
+        staged = out.parent / f".bf16-{out.name}"
+        try:
+            export_hf(args.ckpt, str(staged), args.model, tokenizer_dir=args.tokenizer,
+                      dtype="bf16", max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+                      overwrite=True)
+            return _print_fp8(str(staged), args.out, args.model, args)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
     r = export_hf(args.ckpt, args.out, args.model, tokenizer_dir=args.tokenizer,
                   dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                   overwrite=args.overwrite)
@@ -84,6 +150,26 @@ def _convert_megatron_to_hf(args: argparse.Namespace) -> int:
           f"{r['tensors']} tensors): {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f}s "
           f"({r['mb_per_s']:.1f} MB/s), peak RSS {r['peak_rss_mb']:.0f} MB")
     return 0
+
+
+def _print_fp8(src: str, out: str, model: str | None, args: argparse.Namespace) -> int:
+    from megatron_rl.checkpoint.fp8 import quantize_hf_checkpoint
+
+    r = quantize_hf_checkpoint(src, out, model, backend=args.fp8_backend,
+                               max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+                               overwrite=args.overwrite)
+    print(f"[convert] {out}: blockwise FP8 e4m3 (128x128, {r['backend']} quantizer), "
+          f"{r['fp8_tensors']} FP8 tensors, {r['kept_tensors']} kept as stored, "
+          f"{r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f}s; max relative error "
+          f"{r['max_normal_relative_error']:.4f} (bound 0.0625)")
+    return 0
+
+
+def _convert_fp8(args: argparse.Namespace) -> int:
+    from megatron_rl.utils.logs import quiet_libraries
+
+    quiet_libraries()
+    return _print_fp8(args.hf, args.out, args.model, args)
 
 
 def _search_build(args: argparse.Namespace) -> int:
@@ -139,19 +225,23 @@ def _train(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     cfg = _load(args.recipe, args.overrides)
-    nproc = args.nproc or min_world_size(cfg.parallel)
+    # Ray trainer ranks: one per trainer bundle
+    nproc = args.nproc or (cfg.rollout.trainer_ranks if cfg.rollout.trainer_launcher == "ray"
+                           else min_world_size(cfg.parallel))
     try:
         check_inputs(cfg)  # a bad row or tokenizer fails here, before any rank or engine
     except (DataError, ValueError) as e:  # a bad data file, row, field or tokenizer
         print(f"megatron-rl: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
     # past the checks an error is the run's own: it keeps its traceback
-    with trainer_ranks(nproc, cfg.parallel.backend) as group:
+    with trainer_ranks(nproc, cfg.parallel.backend, cfg.rollout) as group:
         if group is None:  # a torchrun rank other than 0: it served rank 0's jobs
             return 0
         print(f"[megatron-rl] RL: {cfg.rl.agent} agent, {cfg.model.hf_path or cfg.model.name} on "
               f"{getattr(group, 'world_size', nproc)} trainer rank(s), {cfg.train.steps} steps",
               flush=True)
+        for line in getattr(group, "describe", list)():  # Ray ranks: where each landed
+            print(f"[megatron-rl] {line}", flush=True)
         rows = train(cfg, group)
     if rows:
         print(f"[megatron-rl] pass rate {rows[0]['rollout/pass_rate']:.3f} -> "
@@ -303,6 +393,19 @@ def _quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slurm_submit(args: argparse.Namespace) -> int:
+    """Render a recipe's run as slurm/train.sbatch with its resources; print it or submit it."""
+    from megatron_rl.slurm import JobSpec, submit
+
+    cfg = _load(args.recipe, args.overrides)  # a bad recipe fails here, not on the cluster
+    job = JobSpec(recipe=args.recipe, overrides=list(args.overrides), nodes=args.nodes,
+                  time=args.time, partition=args.partition, account=args.account,
+                  container=args.container, container_mounts=args.container_mounts,
+                  cpus_per_node=args.cpus_per_node, gpus_per_node=args.gpus_per_node,
+                  job_name=args.job_name, object_store_mb=args.object_store_mb)
+    return submit(cfg, job, dry_run=args.dry_run, wait=args.wait)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -316,6 +419,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list the model registry")
     m.set_defaults(func=_models)
+
+    pl = sub.add_parser("plan", help="memory planner: per-GPU weights, grads, optimizer, "
+                        "activations and engine share of a layout; exit 1 if it does not fit "
+                        "(docs/planner.md)")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides of --recipe")
+    pl.add_argument("--recipe", help="a recipe name or YAML path: plan its layout")
+    pl.add_argument("--model", help="a registry model: the cheapest layout on --nodes")
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--gpu", default="h20", help="h20 (96 GB), h100, h800, h200, a100, cpu")
+    pl.add_argument("--tokens", type=int, default=32768, help="--model: tokens per micro-batch")
+    pl.add_argument("--engine", default="colocated",
+                    choices=("colocated", "disaggregated", "none"))
+    pl.add_argument("--engine-gpus", type=int, default=8, help="--model: GPUs per engine")
+    pl.add_argument("--engine-nodes", type=int, default=1, help="--model, disaggregated: "
+                    "nodes of engines")
+    pl.add_argument("--engine-mem-fraction", type=float, default=None,
+                    help="--model: SGLang's mem_fraction_static; default: colocated, what the "
+                    "trainer leaves; disaggregated, SGLang's own")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(func=_plan)
 
     tr = sub.add_parser("train", help="RL: rollouts with an agent, rewards, Megatron updates")
     tr.add_argument("recipe")
@@ -368,7 +491,22 @@ def build_parser() -> argparse.ArgumentParser:
     m2h.add_argument("--dtype", choices=("fp32", "bf16"), help="default: as stored")
     m2h.add_argument("--max-shard-gb", type=float, default=2.0)
     m2h.add_argument("--overwrite", action="store_true")
+    m2h.add_argument("--fp8", action="store_true", help="write a blockwise-128x128 FP8 "
+                     "checkpoint (SGLang fp8; docs/fp8.md) instead of bf16/fp32")
+    m2h.add_argument("--fp8-backend", dest="fp8_backend", default="auto",
+                     choices=("auto", "torch", "modelopt"))
     m2h.set_defaults(func=_convert_megatron_to_hf)
+    fp8 = csub2.add_parser("fp8", help="HF folder → blockwise-FP8 HF folder for SGLang "
+                           "(docs/fp8.md)")
+    fp8.add_argument("--hf", required=True, help="HF checkpoint folder (bf16/fp16/fp32)")
+    fp8.add_argument("--out", required=True, help="FP8 HF folder to create")
+    fp8.add_argument("--model", help="registry entry; default: from the folder's config.json")
+    fp8.add_argument("--fp8-backend", dest="fp8_backend", default="auto",
+                     choices=("auto", "torch", "modelopt"),
+                     help="auto: nvidia-modelopt with CUDA, else plain torch (same format)")
+    fp8.add_argument("--max-shard-gb", type=float, default=2.0)
+    fp8.add_argument("--overwrite", action="store_true")
+    fp8.set_defaults(func=_convert_fp8)
 
     se = sub.add_parser("search", help="the local search index and service")
     ssub = se.add_subparsers(dest="search_command", required=True)
@@ -423,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-tool-specs", dest="tool_specs", action="store_false",
                     help="leave the tools' schemas out of the system prompt (a policy trained "
                          "so: data teacher --no-tool-specs, rl.tool_specs=false)")
-    ev.add_argument("--top-k", dest="top_k", type=int, default=5,
+    ev.add_argument("--top-k", dest="top_k", type=int, default=SearchConfig.top_k,
                     help="search results per call when the call gives no top_k (as the policy "
                          "trained: data teacher --top-k, env.search.top_k)")
     ev.set_defaults(func=_eval)
@@ -449,6 +587,32 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--ablation", action="store_true", help="also RL with GRPO, mixed-role "
                    "RDPO and ReAct+GRPO from the same SFT start, evaluated alike")
     q.set_defaults(func=_quickstart)
+
+    su = sub.add_parser("slurm", help="multi-node runs on Slurm (slurm/, docs/slurm.md)")
+    ssub2 = su.add_subparsers(dest="slurm_command", required=True)
+    sbm = ssub2.add_parser("submit", help="render slurm/train.sbatch from a recipe and sbatch "
+                           "it (Ray head + workers, Ray trainer ranks and engines, the driver)")
+    sbm.add_argument("--recipe", required=True)
+    sbm.add_argument("--nodes", type=int, required=True)
+    sbm.add_argument("--time", default="01:00:00", help="the job's time limit")
+    sbm.add_argument("--partition")
+    sbm.add_argument("--account")
+    sbm.add_argument("--container", help="a container image (pyxis --container-image)")
+    sbm.add_argument("--container-mounts", dest="container_mounts",
+                     help="pyxis mounts (default: the work dir)")
+    sbm.add_argument("--cpus-per-node", dest="cpus_per_node", type=int,
+                     help="default: what the recipe's Ray bundles need per node")
+    sbm.add_argument("--gpus-per-node", dest="gpus_per_node", type=int,
+                     help="default: what the recipe's Ray bundles need per node")
+    sbm.add_argument("--job-name", dest="job_name")
+    sbm.add_argument("--object-store-mb", dest="object_store_mb", type=int,
+                     help="Ray object store per node (default: Ray's 30%% of RAM)")
+    sbm.add_argument("--dry-run", dest="dry_run", action="store_true",
+                     help="print the script, submit nothing")
+    sbm.add_argument("--wait", action="store_true", help="sbatch --wait: return the job's "
+                     "exit code when it ends")
+    sbm.add_argument("overrides", nargs="*", help="dotted overrides for the run")
+    sbm.set_defaults(func=_slurm_submit)
     return p
 
 

@@ -5,9 +5,10 @@ update (PPO mini-batches) → weight sync.
 
 The driver process owns the rollout side: the task (prompts, agent, judge; the generated world
 and its search index by default), the engines and the scheduler with its rollout forest, all in
-one event loop for the life of the run. The trainer ranks (a local worker pool, or torchrun)
-each keep a `TrainerWorker` and push their weights into the engines after every update,
-stamped with the step as the weight version. A checkpoint holds both sides: the actor's model,
+one event loop for the life of the run. The trainer ranks (a local worker pool, torchrun, or
+Ray actors on any node: rollout.trainer_launcher=ray) each keep a `TrainerWorker` and push
+their weights into the engines after every update, stamped with the step as the weight
+version. A checkpoint holds both sides: the actor's model,
 optimizer and RNG, and the driver's data cursor, requeued groups, forest and entropy
 controller, so a killed run resumes where its last checkpoint was.
 """
@@ -63,6 +64,17 @@ def _dump(path: Path, step: int, trajectories: list[Any]) -> None:
             f.write(json.dumps({"step": step, **row}) + "\n")
 
 
+def _timed(times: dict[str, float], key: str, call: Any, *args: Any) -> Any:
+    """`call(*args)`'s rank-0 result, as a thunk that records its seconds under `key`."""
+    def run() -> dict[str, Any]:
+        t = time.perf_counter()
+        try:
+            return call(*args)[0]
+        finally:
+            times[key] = time.perf_counter() - t
+    return run
+
+
 def check_inputs(cfg: Config) -> None:
     """What a user brings, checked before any rank or engine starts (`megatron-rl train` makes
     each problem one line): the tokenizer against the model's embedding, and every row of the
@@ -89,13 +101,19 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
         cleanup.callback(trainer.close)
         info = trainer.call("describe")[0]
         progress, start = info["progress"], int(info["progress"].get("step", 0))
-        engines = start_engines(cfg, spec, tokenizer)
+        # Ray trainer ranks hold the run's placement: the engines go in the same one
+        engines = start_engines(cfg, spec, tokenizer, getattr(group, "placement", None))
         cleanup.callback(engines.stop)
+        if cfg.rollout.ray:  # where the engines landed (their servers bind the node IP)
+            print(f"[megatron-rl] policy engines: {' '.join(engines.urls)}", flush=True)
         cleanup.callback(loop.run, engines.aclose())
         task = build_task(cfg, tokenizer, out, engines.aux_urls)
         cleanup.callback(loop.run, task.aclose())
         trainer.call("connect", engines.urls)
         trainer.call("sync", start)
+        colocated = engines.schedule is not None and engines.schedule.enabled
+        if colocated:  # the engines have the GPUs for the first rollout
+            trainer.call("offload")
         scheduler = RolloutScheduler(task.agent, engines.policy, task.prompts, task.score,
                                      rl.sampling)
         entropy = EntropyPIController.from_config(rl.entropy_control, rl.loss.entropy_coef) \
@@ -123,12 +141,18 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
                                           rows_multiple=info["dp"] * cfg.train.micro_batch_size,
                                           pad_id=pad_id(tokenizer))
             metrics.update(adv_metrics)
-            with engines.parked(loop):
-                metrics.update(trainer.call("update", batch, coef)[0] if batch
-                               else {"skipped": 1.0})
-            t2 = time.perf_counter()
-            metrics.update(trainer.call("sync", step + 1)[0])
-            t3 = time.perf_counter()
+            # colocated: engines release → trainer onload → update → trainer offload →
+            # engine weights → sync → engine KV cache (engines/colocation.py)
+            times: dict[str, float] = {}
+            update = _timed(times, "train", trainer.call, "update", batch, coef) if batch \
+                else (lambda: {"skipped": 1.0})
+            metrics.update(engines.update_and_sync(
+                loop, update, _timed(times, "sync", trainer.call, "sync", step + 1),
+                onload=_timed(times, "onload", trainer.call, "onload") if colocated else None,
+                offload=_timed(times, "offload", trainer.call, "offload") if colocated
+                else None))
+            t2 = t1 + times.get("train", 0.0)
+            t3 = t2 + times["sync"]
             if entropy is not None and "entropy" in metrics:
                 coef = entropy.update(metrics["entropy"])
             if rl.eval_every and (step + 1) % rl.eval_every == 0:

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs CUDA (tools/gpu_check.sh runs these on a lent GPU)")
+    skip = pytest.mark.skip(reason="needs CUDA (tests/gpu/run_all.sh runs these on a lent GPU)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -28,12 +28,20 @@ class ModelConfig:
     dtype: str = bounded("fp32", choices=("fp32", "bf16", "fp16"))
     seq_length: int = bounded(128, ge=8, help="longest packed sequence the trainer sees")
     recompute_activations: bool = False
+    recompute_granularity: str = bounded(
+        "full", choices=("full", "selective"), help="with recompute_activations: full = each "
+        "layer keeps only its input and is recomputed in backward; selective = megatron's "
+        "core_attn recompute (the attention kernel only)")
     router_aux_loss_coef: float | None = bounded(
         None, ge=0, help="MoE load-balancing loss weight in training; None = the model's. RL "
         "from SFT: 0, since Adam turns that gradient alone into ~lr-sized moves of every "
         "weight it reaches (docs/algorithms.md)")
     layer_impl: str = bounded("auto", choices=("auto", "local", "transformer_engine"),
                               help="auto: Transformer Engine when it imports with CUDA, else local")
+    fp8: str | None = bounded(None, choices=(None, "delayed", "blockwise", "mxfp8"),
+                              help="FP8 training with a Transformer Engine recipe (needs TE and "
+                              "a GPU with FP8: compute capability >= 8.9, mxfp8 >= 10.0); "
+                              "None = bf16/fp32 (docs/fp8.md)")
 
 
 @dataclass
@@ -68,6 +76,10 @@ class OptimConfig:
     clip_grad: float = bounded(1.0, ge=0, help="0 disables clipping")
     warmup_steps: int = bounded(0, ge=0)
     lr_decay_style: str = bounded("constant", choices=("constant", "linear", "cosine"))
+    cpu_offload_fraction: float = bounded(
+        0.0, ge=0, le=1, help="share of the optimizer states (fp32 main params, Adam moments) "
+        "kept and stepped on the CPU (megatron's HybridDeviceOptimizer); needs "
+        "parallel.distributed_optimizer; 0 = all on the GPU")
 
 
 @dataclass
@@ -306,6 +318,12 @@ class RolloutConfig:
     trainer_gpus: int = bounded(0, ge=0)
     engine_cpus: float = bounded(1.0, ge=0)
     engine_gpus: int = bounded(0, ge=0, help="GPUs per engine (its TP size); 0 = CPU")
+    engine_ep: int = bounded(1, ge=1, help="SGLang expert parallel inside an engine's TP "
+                             "group (--ep-size); must divide engine_gpus")
+    engine_mem_fraction: float | None = bounded(
+        None, gt=0, lt=1, help="SGLang --mem-fraction-static: the share of each GPU an engine "
+        "claims for weights and KV cache (colocated: beside the trainer's resident state, "
+        "`megatron-rl plan` checks it); None = SGLang's default")
     placement_strategy: str = bounded("PACK", choices=("PACK", "SPREAD", "STRICT_PACK",
                                                        "STRICT_SPREAD"))
     ray_address: str | None = bounded(None, help="None = start a local Ray; 'auto' or "
@@ -313,7 +331,25 @@ class RolloutConfig:
     node_ip: str | None = bounded(None, help="this node's IP for Ray and the engines; "
                                              "None (and no nic) = 127.0.0.1")
     nic: str | None = bounded(None, help="network interface whose IPv4 is the node IP")
+    trainer_launcher: str = bounded(
+        "local", choices=("local", "ray"), help="where the trainer ranks run: local = spawned "
+        "gloo ranks on this machine (or the ranks torchrun started); ray = one Ray actor per "
+        "rollout.trainer_ranks bundle, on any node of the cluster (needs rollout.ray)")
+    trainer_nic: str | None = bounded(
+        None, help="ray launcher: the interface of the trainer's process groups on every node "
+        "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); None = the one holding each node's Ray IP")
+    trainer_master_addr: str | None = bounded(
+        None, help="ray launcher: the address the ranks dial to reach rank 0's rendezvous; "
+        "None = rank 0's IPv4 on the trainer interface")
+    trainer_master_port: int = bounded(0, ge=0, le=65535, help="ray launcher: the rendezvous "
+                                       "port; 0 = a free port on rank 0's node")
+    preflight_timeout_s: float = bounded(30.0, gt=0, help="ray launcher: how long every rank "
+                                         "may take to reach the rendezvous before the run "
+                                         "fails, naming the rank")
     bucket_mb: int = bounded(512, ge=1, help="weight-update bucket size")
+    sync_fp8: bool = bounded(False, help="weight sync sends the projections as blockwise FP8 "
+                             "+ weight_scale_inv, for engines serving an FP8 checkpoint "
+                             "(docs/fp8.md)")
     max_batch_size: int = bounded(32, ge=1, help="embedded engine: running requests")
     max_restarts: int = bounded(5, ge=0, help="engine process restarts per engine")
     health_interval_s: float = bounded(2.0, gt=0, help="how often an idle engine is checked")
@@ -368,6 +404,9 @@ class RolloutConfig:
         if self.layout == "disaggregated" and self.engine_cpus <= 0 and self.engine_gpus == 0:
             raise ConfigError("rollout.engine_cpus: an engine bundle needs a CPU or a GPU "
                               "(rollout.engine_gpus)")
+        if self.trainer_launcher == "ray" and not self.ray:
+            raise ConfigError("rollout.trainer_launcher=ray: needs rollout.ray=true (the "
+                              "trainer ranks are placed in the run's Ray cluster)")
         if self.layout == "colocated":
             self._check_colocated()
 
@@ -569,6 +608,12 @@ class Config:
                 f"train.micro_batch_size={t.micro_batch_size}")
         if self.optim.min_lr > self.optim.lr:
             raise ConfigError(f"optim.min_lr={self.optim.min_lr} exceeds optim.lr={self.optim.lr}")
+        if self.optim.cpu_offload_fraction and not self.parallel.distributed_optimizer:
+            raise ConfigError("optim.cpu_offload_fraction: needs parallel.distributed_optimizer")
+        eng_ep, eng_gpus = self.rollout.engine_ep, self.rollout.engine_gpus
+        if eng_ep > 1 and max(eng_gpus, 1) % eng_ep:
+            raise ConfigError(f"rollout.engine_ep={eng_ep}: must divide "
+                              f"rollout.engine_gpus={eng_gpus}")
         if self.model.dtype == "fp16":
             raise ConfigError("model.dtype=fp16 is not supported (use bf16 or fp32)")
         ck = self.checkpoint

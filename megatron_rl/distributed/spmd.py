@@ -3,8 +3,8 @@
 `RankObjects(group, cls, ...)` builds one `cls` per rank and keeps it between jobs (the ranks'
 object table, as Ray keeps its actors); `call(method, ...)` runs the method on every rank at
 once (SPMD) and returns the per-rank results. `group` runs module-level jobs on every rank:
-a local `WorkerPool`, or a `TorchrunGroup` when torchrun started the ranks (rank 0 drives,
-the others follow).
+a local `WorkerPool`, a `TorchrunGroup` when torchrun started the ranks (rank 0 drives,
+the others follow), or a `ray_trainer.RayTrainerGroup` (Ray actors on any node).
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import os
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_rl.distributed.worker_pool import WorkerError
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import RolloutConfig
 
 # handle → this rank's object; filled and emptied only by the jobs below
 _OBJECTS: dict[str, Any] = {}
@@ -115,10 +118,18 @@ class TorchrunGroup:
 
 
 @contextlib.contextmanager
-def trainer_ranks(nproc: int, backend: str) -> Iterator[Any]:
+def trainer_ranks(nproc: int, backend: str,
+                  rollout: RolloutConfig | None = None) -> Iterator[Any]:
     """The trainer ranks of a command as a job group: `nproc` local gloo ranks, or, under
     torchrun, the ranks it started (rank 0 gets the group and drives; every other rank follows
-    rank 0's jobs until it is done, and gets None)."""
+    rank 0's jobs until it is done, and gets None), or with `rollout.trainer_launcher=ray` one
+    Ray actor per trainer bundle (`ray_trainer.RayTrainerGroup`, on any node of the cluster)."""
+    if rollout is not None and rollout.trainer_launcher == "ray":
+        from megatron_rl.distributed.ray_trainer import ray_trainer_ranks
+
+        with ray_trainer_ranks(rollout, backend, nproc) as group:
+            yield group
+        return
     if "RANK" not in os.environ:
         from megatron_rl.distributed.worker_pool import WorkerPool
 

@@ -35,6 +35,11 @@ CONTROL_ROUTES = frozenset({
     "/flush_cache"})
 
 
+# SGLang 0.5.23's memory regions (srt/constants.py GPU_MEMORY_TYPE_*), the `tags` of
+# /release_memory_occupation and /resume_memory_occupation
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
 def engine_token() -> str | None:
     """The control-plane token from `MEGATRON_RL_ENGINE_TOKEN` (None when unset or empty)."""
     return os.environ.get(TOKEN_ENV, "").strip() or None
@@ -165,9 +170,11 @@ class RolloutEngine(Protocol):
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None: ...
 
-    async def release_memory(self) -> None: ...
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free SGLang memory regions (`MEMORY_TAGS`; None: all): colocated training."""
+        ...
 
-    async def resume_memory(self) -> None: ...
+    async def resume_memory(self, tags: list[str] | None = None) -> None: ...
 
     async def flush_cache(self) -> None: ...
 
@@ -187,10 +194,10 @@ class NoServerControl:
     async def continue_generation(self) -> None:
         return None
 
-    async def release_memory(self) -> None:
+    async def release_memory(self, tags: list[str] | None = None) -> None:
         return None
 
-    async def resume_memory(self) -> None:
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
         return None
 
     async def flush_cache(self) -> None:

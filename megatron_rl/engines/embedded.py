@@ -55,6 +55,7 @@ from megatron_rl.engines.embedded_core import (
     BadRequest,
     EmbeddedCore,
     Seq,
+    memory_tags,
     parse_generate,
     parse_json_object,
     show,
@@ -609,13 +610,23 @@ class EmbeddedServer:
         return web.json_response({"success": True, "message": "Succeeded to destroy group."})
 
     async def _release(self, request: web.Request) -> web.Response:
-        await self._call(self.core.release, "release_memory_occupation")
+        tags = await self._tags(request)
+        await self._call(lambda: self.core.release(tags), "release_memory_occupation")
         return web.Response(status=200)
 
     async def _resume(self, request: web.Request) -> web.Response:
-        await self._call(lambda: setattr(self.core, "released", False),
-                         "resume_memory_occupation")
+        tags = await self._tags(request)
+        await self._call(lambda: self.core.resume_memory(tags), "resume_memory_occupation")
         return web.Response(status=200)
+
+    async def _tags(self, request: web.Request) -> list[str] | None:
+        """SGLang's `tags` (ReleaseMemoryOccupationReqInput): None = every memory region."""
+        if request.method == "GET":
+            return None
+        body = await self._body(request, required=False)
+        tags = body.get("tags")
+        memory_tags(tags)  # checked here: a bad list is a 400 before the engine is touched
+        return tags
 
     async def _flush(self, request: web.Request) -> web.Response:
         # no prefix cache is kept between requests, so there is nothing to drop

@@ -25,9 +25,25 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_rl.checkpoint.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
+from megatron_rl.engines.base import MEMORY_TAGS  # SGLang's tags; none given = all
+
 log = logging.getLogger(__name__)
 
 _EPS = 1e-6  # SGLang: temperature below this is greedy
+
+
+def memory_tags(tags: Any) -> set[str]:
+    """The regions a release/resume body names (None: all), checked."""
+    if tags is None:
+        return set(MEMORY_TAGS)
+    if not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+        raise BadRequest(f"tags: expected a list of strings, got {show(tags)}")
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise BadRequest(f"tags: unknown memory type {unknown[0]!r}; expected "
+                         f"{', '.join(MEMORY_TAGS)}")
+    return set(tags)
 
 
 class BadRequest(ValueError):
@@ -372,7 +388,9 @@ class EmbeddedCore:
         self.return_original_logprob = return_original_logprob
         self.weight_version = str(weight_version)
         self.paused = False
-        self.released = False
+        self.released_tags: set[str] = set()  # SGLang memory regions now released
+        # memory and weight calls as applied, in order (release/resume + tags, load_weights)
+        self.control_log: list[tuple[str, tuple[str, ...]]] = []
         self.pending: collections.deque[Seq] = collections.deque()
         self.batch: list[Seq] = []
         self.cache: Any = None
@@ -386,6 +404,11 @@ class EmbeddedCore:
         self.busy_seconds = 0.0  # spent in prefill and decode steps (generation proper)
         self.weights = WeightLoader(model)
         self.thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
+
+    @property
+    def released(self) -> bool:
+        """Some memory region is released: no generation until all are back (as SGLang)."""
+        return bool(self.released_tags)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -758,8 +781,17 @@ class EmbeddedCore:
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: Any,
                      require_complete: bool = False) -> None:
+        if "weights" in self.released_tags:  # SGLang's weights would be unmapped memory
+            raise BadRequest("weights are released: resume them first "
+                             "(/resume_memory_occupation with tags ['weights'])", 503)
         if version is not None:
             self._check_version(version)  # before any weight is written
+        if any(n.endswith(SCALE_SUFFIX) or t.dtype == FP8_DTYPE for n, t in named):
+            # an FP8 update (weight + weight_scale_inv): this engine keeps its own dtype
+            try:
+                named = dequantize_named(named)
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
         self.weights.validate(named)
         if require_complete:
             gaps = self.weights.coverage_gaps([n for n, _ in named])
@@ -768,16 +800,28 @@ class EmbeddedCore:
                                  f"'{gaps[0]}'")
         self.weights.load(named)
         self.set_version(version)
+        self.control_log.append(("load_weights", tuple(sorted(self.released_tags))))
 
-    def release(self) -> None:
-        if self.batch:
+    def release(self, tags: Any = None) -> None:
+        regions = memory_tags(tags)
+        if self.batch and "kv_cache" in regions | self.released_tags:
             raise BadRequest(f"cannot release memory with {len(self.batch)} requests decoding; "
                              "pause generation (retract or abort) first")
-        self.released = True
+        self.released_tags |= regions
+        self.control_log.append(("release", tuple(sorted(regions))))
+
+    def resume_memory(self, tags: Any = None) -> None:
+        regions = memory_tags(tags)
+        self.released_tags -= regions
+        self.control_log.append(("resume", tuple(sorted(regions))))
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
     def info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "paused": self.paused,
-                "released": self.released, "max_batch_size": self.max_batch_size,
+                "released": self.released, "released_tags": sorted(self.released_tags),
+                "weight_bytes": self.weight_bytes(), "max_batch_size": self.max_batch_size,
                 "running": {s.rid: len(s.out) for s in self.batch},
                 "max_running": self.max_running,
                 "waiting": [s.rid for s in self.pending],

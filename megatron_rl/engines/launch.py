@@ -8,10 +8,13 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config.schema import Config
 from megatron_rl.engines.colocation import ColocationSchedule
+
+if TYPE_CHECKING:
+    from megatron_rl.distributed.ray_placement import Placement
 
 
 @dataclass
@@ -27,8 +30,8 @@ class Engines:
 
     @contextlib.contextmanager
     def parked(self, loop: asyncio.Runner) -> Iterator[None]:
-        """Colocated engines paused and their memory released for the block (a trainer step);
-        a no-op for disaggregated ones."""
+        """Colocated engines paused and their memory released for the block; a no-op for
+        disaggregated ones. (A run step uses `update_and_sync`: the order of docs/placement.md.)"""
         if self.schedule is None:
             yield
             return
@@ -37,6 +40,17 @@ class Engines:
             yield
         finally:
             loop.run(self.schedule.resume())
+
+    def update_and_sync(self, loop: asyncio.Runner, update: Callable[[], dict],
+                        sync: Callable[[], dict], *, onload: Callable[[], dict] | None = None,
+                        offload: Callable[[], dict] | None = None) -> dict[str, Any]:
+        """The trainer's update and its weight sync; colocated engines in the schedule's order
+        (engines release → trainer onload → update → trainer offload → engine weights →
+        sync → engine KV cache). Disaggregated: update, then sync."""
+        if self.schedule is None or not self.schedule.enabled:
+            return {**update(), **sync()}
+        return loop.run(self.schedule.update_and_sync(update, sync, onload=onload,
+                                                      offload=offload))
 
     async def aclose(self) -> None:
         """Close the driver's client of an in-process engine (its session lives in the run's
@@ -49,11 +63,13 @@ class Engines:
         return self.core.busy_seconds if self.core is not None else None
 
 
-def start_engines(cfg: Config, spec: Any, tokenizer: Any) -> Engines:
+def start_engines(cfg: Config, spec: Any, tokenizer: Any,
+                  placement: Placement | None = None) -> Engines:
     """One embedded engine in this process (`rollout.ray` off), else the engine pools Ray
-    places (`launch_rollout`: engine processes that restart, SGLang on GPU, aux pools). Engines
-    without `rollout.model_path` start from random weights of the policy's architecture: the
-    first weight sync replaces them with the trainer's."""
+    places (`launch_rollout`: engine processes that restart, SGLang on GPU, aux pools), in
+    `placement` when the trainer ranks already hold it (Ray trainer ranks), else in placement
+    groups of their own. Engines without `rollout.model_path` start from random weights of the
+    policy's architecture: the first weight sync replaces them with the trainer's."""
     from megatron_rl.engines.http_client import HttpEngine
 
     ro = cfg.rollout
@@ -77,7 +93,8 @@ def start_engines(cfg: Config, spec: Any, tokenizer: Any) -> Engines:
     init_ray(ro)
     if ro.model_path is None and cfg.model.hf_path:  # serve the policy's own checkpoint
         ro = dataclasses.replace(ro, model_path=cfg.model.hf_path)
-    rollout = launch_rollout(ro, model_name=None if ro.model_path else cfg.model.name)
+    rollout = launch_rollout(ro, model_name=None if ro.model_path else cfg.model.name,
+                             placement=placement)
 
     def stop() -> None:
         rollout.close()

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl.distributed.process_groups import free_port
 from megatron_rl.engines.base import (
+    MEMORY_TAGS,
     TOKEN_ENV,
     EngineError,
     GenerateRequest,
@@ -121,7 +122,7 @@ class EngineActor:
         self._staged: dict[str, list[Any]] = {}
         self._lossy_update = False  # an update we could not keep (persistence off)
         self.paused: PauseMode | None = None
-        self.released = False
+        self.released_tags: set[str] = set()  # SGLang memory regions released (docs/placement.md)
         self._epoch = 0          # bumps at every restart
         self._broken: str | None = None
         self._up: asyncio.Event | None = None        # set unless restarting
@@ -232,8 +233,8 @@ class EngineActor:
         await self.client.update_weights_from_tensors(self._replay(), self.version)
         if self.paused is not None:
             await self.client.pause_generation(self.paused)
-        if self.released:
-            await self.client.release_memory()
+        if self.released_tags:
+            await self.client.release_memory(sorted(self.released_tags))
         if self.seen_version > self.version or self._lossy_update:
             self.counters["stale_restarts"] += 1
             log.warning("engine %s restarted at weight version %d, but version %d was served: "
@@ -324,21 +325,29 @@ class EngineActor:
         self.paused = None
         await self._control(self.client.continue_generation)
 
-    async def release_memory(self) -> None:
+    @property
+    def released(self) -> bool:
+        return bool(self.released_tags)
+
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        """Release SGLang memory regions (`tags`; None: all of them)."""
         self._events()
+        before = set(self.released_tags)
         self._resumed.clear()  # new requests wait here, not at a server that answers 503
-        self.released = True
+        self.released_tags |= set(tags) if tags is not None else set(MEMORY_TAGS)
         try:
-            await self._control(self.client.release_memory)
+            await self._control(lambda: self.client.release_memory(tags))
         except BaseException:
-            self.released = False
-            self._resumed.set()
+            self.released_tags = before
+            if not before:
+                self._resumed.set()
             raise
 
-    async def resume_memory(self) -> None:
-        self.released = False
-        await self._control(self.client.resume_memory)
-        self._resumed.set()
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        self.released_tags -= set(tags) if tags is not None else set(MEMORY_TAGS)
+        await self._control(lambda: self.client.resume_memory(tags))
+        if not self.released_tags:
+            self._resumed.set()
 
     async def flush_cache(self) -> None:
         await self._control(self.client.flush_cache)
@@ -511,11 +520,11 @@ class EnginePool:
     async def continue_generation(self) -> None:
         await self._all("continue_generation")
 
-    async def release_memory(self) -> None:
-        await self._all("release_memory")
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        await self._all("release_memory", tags)
 
-    async def resume_memory(self) -> None:
-        await self._all("resume_memory")
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        await self._all("resume_memory", tags)
 
     async def flush_cache(self) -> None:
         await self._all("flush_cache")
@@ -580,7 +589,18 @@ def engine_spec(cfg: RolloutConfig, *, model_path: str | None = None, engine: st
                       colocated=cfg.layout == "colocated" and gpus is None,
                       max_restarts=cfg.max_restarts, health_interval_s=cfg.health_interval_s,
                       startup_timeout_s=cfg.startup_timeout_s, bucket_bytes=cfg.bucket_mb << 20,
-                      persist_weight_updates=cfg.persist_weight_updates, nic=cfg.nic)
+                      persist_weight_updates=cfg.persist_weight_updates, nic=cfg.nic,
+                      sglang=_sglang_args(cfg) if gpus is None else {})
+
+
+def _sglang_args(cfg: RolloutConfig) -> dict[str, Any]:
+    """The policy engines' SGLangConfig fields the recipe sets (`megatron-rl plan` sizes them)."""
+    args: dict[str, Any] = {}
+    if cfg.engine_mem_fraction is not None:
+        args["mem_fraction_static"] = cfg.engine_mem_fraction
+    if cfg.engine_ep > 1:
+        args["ep_size"] = cfg.engine_ep
+    return args
 
 
 @dataclass
@@ -591,6 +611,9 @@ class Rollout:
     policy: EnginePool | None
     aux: dict[str, EnginePool]
     schedule: Any  # ColocationSchedule
+    # False when the caller passed the placement in (Ray trainer ranks live in its bundles:
+    # removing it would kill them), so the caller removes it
+    owns_placement: bool = True
 
     def aux_base_urls(self) -> dict[str, list[str]]:
         return {name: pool.base_urls() for name, pool in self.aux.items()}
@@ -598,7 +621,8 @@ class Rollout:
     def close(self) -> None:
         for pool in [*self.aux.values(), *([self.policy] if self.policy else [])]:
             pool.close()
-        self.placement.remove()
+        if self.owns_placement:
+            self.placement.remove()
 
 
 def launch_rollout(cfg: RolloutConfig, *, model_name: str | None = None, policy: bool = True,
@@ -610,6 +634,7 @@ def launch_rollout(cfg: RolloutConfig, *, model_name: str | None = None, policy:
     from megatron_rl.distributed.ray_placement import place
     from megatron_rl.engines.colocation import ColocationSchedule
 
+    owns = placement is None
     placement = placement or place(cfg)
     pools: dict[str, EnginePool] = {}
     pool: EnginePool | None = None
@@ -634,7 +659,8 @@ def launch_rollout(cfg: RolloutConfig, *, model_name: str | None = None, policy:
     except BaseException:
         for p in [*pools.values(), *([pool] if pool else [])]:
             p.close()
-        placement.remove()
+        if owns:
+            placement.remove()
         raise
     schedule = ColocationSchedule([pool] if pool else [], enabled=placement.colocated)
-    return Rollout(placement, pool, pools, schedule)
+    return Rollout(placement, pool, pools, schedule, owns_placement=owns)

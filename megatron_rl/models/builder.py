@@ -35,6 +35,71 @@ def use_transformer_engine(model_cfg: ModelConfig) -> bool:
     return model_cfg.layer_impl == "auto" and transformer_engine_available()
 
 
+# model.fp8 → megatron's TransformerConfig (fp8 format, fp8_recipe) and the compute capability
+# the recipe's GEMMs need (FP8 tensor cores from Ada/Hopper 8.9; MXFP8 from Blackwell 10.0;
+# TE's 128x128 block scaling from Hopper 9.0)
+FP8_RECIPES: dict[str, tuple[str, str, tuple[int, int]]] = {
+    "delayed": ("hybrid", "delayed", (8, 9)),      # e4m3 forward, e5m2 gradients
+    "blockwise": ("e4m3", "blockwise", (9, 0)),
+    "mxfp8": ("e4m3", "mxfp8", (10, 0)),
+}
+
+
+def fp8_problem(recipe: str, *, cuda: bool, capability: tuple[int, int] | None,
+                te: bool, layer_impl: str = "auto") -> str | None:
+    """Why `model.fp8=recipe` cannot run here (None: it can)."""
+    if recipe not in FP8_RECIPES:
+        return f"unknown recipe; choose one of {', '.join(FP8_RECIPES)}"
+    if layer_impl == "local":
+        return ("FP8 GEMMs come from Transformer Engine layers; set model.layer_impl=auto or "
+                "transformer_engine")
+    if not cuda:
+        return "needs a CUDA GPU (none is visible); leave model.fp8 unset on CPU"
+    if not te:
+        return "needs Transformer Engine: pip install 'megatron-rl[gpu]'"
+    need = FP8_RECIPES[recipe][2]
+    if capability is None or tuple(capability) < need:
+        have = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
+        return (f"the GPU has compute capability {have}; the {recipe} recipe needs >= "
+                f"{need[0]}.{need[1]}" + (" (Blackwell)" if recipe == "mxfp8" else ""))
+    return None
+
+
+def fp8_settings(model_cfg: ModelConfig) -> dict[str, Any]:
+    """TransformerConfig fields for `model.fp8` ({} when unset); a ConfigError saying why when
+    this machine cannot run the recipe."""
+    recipe = getattr(model_cfg, "fp8", None)
+    if recipe is None:
+        return {}
+    from megatron_rl.config.fields import ConfigError
+
+    cuda = torch.cuda.is_available()
+    problem = fp8_problem(recipe, cuda=cuda,
+                          capability=torch.cuda.get_device_capability() if cuda else None,
+                          te=transformer_engine_available(), layer_impl=model_cfg.layer_impl)
+    if problem is None:
+        problem = _te_fp8_support(recipe)
+    if problem is not None:
+        raise ConfigError(f"model.fp8={recipe}: {problem}")
+    fmt, name, _ = FP8_RECIPES[recipe]
+    return {"fp8": fmt, "fp8_recipe": name}
+
+
+def _te_fp8_support(recipe: str) -> str | None:
+    """Transformer Engine's own verdict for this GPU and build, where it has one."""
+    try:
+        from transformer_engine.pytorch import fp8 as te_fp8
+    except ImportError:
+        return None
+    check = {"delayed": "check_fp8_support", "blockwise": "check_fp8_block_scaling_support",
+             "mxfp8": "check_mxfp8_support"}[recipe]
+    fn = getattr(te_fp8, check, None)
+    if fn is None:
+        return None
+    ok, reason = fn()
+    return None if ok else f"Transformer Engine says: {reason}"
+
+
 def padded_vocab_size(spec: ModelSpec, parallel: ParallelConfig) -> int:
     """Pad only as much as TP needs; padded ids are masked out of every softmax."""
     return math.ceil(spec.vocab_size / parallel.tp) * parallel.tp
@@ -95,7 +160,10 @@ def transformer_config(spec: ModelSpec, model_cfg: ModelConfig, parallel: Parall
                   linear_num_value_heads=la.num_value_heads)
     if spec.mtp_num_layers:
         kw["mtp_num_layers"] = spec.mtp_num_layers
-    if model_cfg.recompute_activations:
+    kw.update(fp8_settings(model_cfg))
+    if model_cfg.recompute_activations and model_cfg.recompute_granularity == "selective":
+        kw.update(recompute_granularity="selective")  # megatron's default module: core_attn
+    elif model_cfg.recompute_activations:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     kw.update(overrides)
     return TransformerConfig(**kw)

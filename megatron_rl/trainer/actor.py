@@ -25,6 +25,7 @@ from megatron_rl.trainer.microbatching import (
     micro_batches,
     packing_unsupported,
 )
+from megatron_rl.trainer.offload import MoveStats, Offloader
 
 # reported-metric keys of a loss's token means and their count (`LossOutput.token_metrics`)
 TOKEN_MEAN, MASKED_TOKENS = "token_mean/", "token_mean/__count__"
@@ -90,7 +91,9 @@ class MegatronActor:
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
             clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-            use_distributed_optimizer=self.cfg.parallel.distributed_optimizer)
+            use_distributed_optimizer=self.cfg.parallel.distributed_optimizer,
+            optimizer_cpu_offload=o.cpu_offload_fraction > 0,
+            optimizer_offload_fraction=o.cpu_offload_fraction)
         return get_megatron_optimizer(config, self.model)
 
     def _build_scheduler(self):
@@ -325,6 +328,26 @@ class MegatronActor:
                for k, v in sums.items()}
         out["num_tokens"] = tokens
         return out
+
+    # -- colocated memory (trainer/offload.py) -------------------------------------------------
+    def offload(self, release: bool | None = None) -> MoveStats:
+        """Parameters, gradient buffers and optimizer state to host memory (a colocated
+        engine takes the GPU); on CPU only counted unless `release`."""
+        if not hasattr(self, "_offloader"):
+            self._offloader = Offloader()
+        return self._offloader.offload(self.model, self.optimizer, release)
+
+    def onload(self) -> MoveStats:
+        """Back onto the device, bit for bit, before the next forward."""
+        return self._offloader.onload()
+
+    def readable(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor of this actor, readable also while offloaded (its host copy)."""
+        return self._offloader.readable(t) if hasattr(self, "_offloader") else t
+
+    @property
+    def offloaded(self) -> bool:
+        return hasattr(self, "_offloader") and self._offloader.offloaded
 
     # -- state -------------------------------------------------------------------------------
     def parameters(self) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ import asyncio
 import datetime
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_rl.checkpoint.weight_map import Entry, WeightMap
 from megatron_rl.engines.http_client import HttpEngine
-from megatron_rl.engines.tensors import buckets_with_last
+from megatron_rl.engines.tensors import buckets_with_last, split_buckets
 from megatron_rl.models.registry import ModelSpec
 
 TRANSPORTS = ("tensor", "distributed", "disk")
@@ -73,28 +73,18 @@ class WeightGatherer:
     """Collective iterator over the full HF-named weights of a (sharded) Megatron model."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], spec: ModelSpec,
-                 padded_vocab: int, group: Any = None, include_mtp: bool = False):
+                 padded_vocab: int, group: Any = None, include_mtp: bool = False,
+                 resolve: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """`include_mtp`: also the MTP block's weights; rollout engines decode without it
-        (transformers has no MTP module; speculative rollout would need it)."""
-        from megatron.core.dist_checkpointing.mapping import is_main_replica
-
+        (transformers has no MTP module; speculative rollout would need it). `resolve`: where
+        a parameter's bytes are now (an offloaded actor's host copy, trainer/offload.py)."""
+        self.resolve = resolve or (lambda t: t)
         self.spec, self.wmap, self.group = spec, WeightMap(spec), group
         self.padded_vocab = padded_vocab
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        # (checkpoint key, logical index) → [(local data, offsets, sizes)] owned by this rank
-        self.local: dict[tuple[str, tuple[int, ...]], list[tuple[torch.Tensor, tuple, tuple]]] = {}
-        for module in modules:
-            for sh in _sharded_tensors(module):
-                if not is_main_replica(sh.replica_id):
-                    continue
-                stack = sh.prepend_axis_num
-                entry, index, position = self.wmap.locate(sh.key, tuple(sh.global_offset[:stack]))
-                if entry.layer_type == "mtp" and not include_mtp:
-                    continue
-                key = self.wmap.checkpoint_keys(entry, index)[position]
-                self.local.setdefault((key, index), []).append(
-                    (sh.data, tuple(sh.global_offset[stack:]), tuple(sh.local_shape)))
+        self.modules, self.include_mtp = list(modules), include_mtp
+        self.refresh()
         groups: dict[Any, list[tuple[Entry, tuple[int, ...]]]] = {}
         for entry, index in self.wmap.units():
             if entry.layer_type == "mtp" and not include_mtp:
@@ -109,6 +99,24 @@ class WeightGatherer:
         self.buffer_dtype = next((data.dtype for chunks in self.local.values()
                                   for data, _, _ in chunks), torch.float32)
         self.stats = SyncStats()
+
+    def refresh(self) -> None:
+        """(checkpoint key, logical index) → [(local data, offsets, sizes)] owned by this rank:
+        views of the live parameters (an offload keeps their storages, so they stay valid)."""
+        from megatron.core.dist_checkpointing.mapping import is_main_replica
+
+        self.local: dict[tuple[str, tuple[int, ...]], list[tuple[torch.Tensor, tuple, tuple]]] = {}
+        for module in self.modules:
+            for sh in _sharded_tensors(module):
+                if not is_main_replica(sh.replica_id):
+                    continue
+                stack = sh.prepend_axis_num
+                entry, index, position = self.wmap.locate(sh.key, tuple(sh.global_offset[:stack]))
+                if entry.layer_type == "mtp" and not self.include_mtp:
+                    continue
+                key = self.wmap.checkpoint_keys(entry, index)[position]
+                self.local.setdefault((key, index), []).append(
+                    (sh.data, tuple(sh.global_offset[stack:]), tuple(sh.local_shape)))
 
     def _group_layout(self, group: list[tuple[Entry, tuple[int, ...]]]) -> tuple[list, int]:
         """Where each tensor of one layer sits in its flat gather buffer (fixed per model, so
@@ -141,7 +149,8 @@ class WeightGatherer:
                     for data, offsets, sizes in self.local.get((key, index), ()):
                         region = tuple(slice(o, o + n) for o, n in zip(offsets, sizes,
                                                                       strict=True))
-                        full[region].copy_(data)
+                        # an offloaded actor's parameter: the same view of its host copy
+                        full[region].copy_(self.resolve(data))
             if self.world > 1:
                 dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=self.group)
             t1 = time.perf_counter()
@@ -167,7 +176,8 @@ def gatherer_for(actor: Any) -> WeightGatherer:
     from megatron_rl.models.builder import padded_vocab_size
 
     return WeightGatherer([m.module for m in actor.model], actor.spec,
-                          padded_vocab_size(actor.spec, actor.cfg.parallel))
+                          padded_vocab_size(actor.spec, actor.cfg.parallel),
+                          resolve=getattr(actor, "readable", None))
 
 
 class WeightSyncer:
@@ -178,13 +188,16 @@ class WeightSyncer:
     def __init__(self, gatherer: WeightGatherer, urls: Sequence[str], *,
                  transport: str = "tensor", bucket_bytes: int = 512 << 20,
                  dtype: torch.dtype | None = None, disk_dir: str | None = None,
-                 master_address: str = "127.0.0.1", timeout_s: float = 600.0):
+                 master_address: str = "127.0.0.1", timeout_s: float = 600.0,
+                 fp8: bool = False):
+        """`fp8`: send the projections as blockwise FP8 + `weight_scale_inv` (an engine that
+        serves an FP8 checkpoint, docs/fp8.md); each weight and its scale share a bucket."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
         if not urls:
             raise ValueError("urls: at least one engine URL is needed")
         self.gatherer, self.transport, self.bucket_bytes = gatherer, transport, bucket_bytes
-        self.dtype, self.disk_dir = dtype, disk_dir
+        self.dtype, self.disk_dir, self.fp8 = dtype, disk_dir, fp8
         self.master_address, self.timeout_s = master_address, timeout_s
         self.engines: list[HttpEngine] = []
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -203,17 +216,22 @@ class WeightSyncer:
             for _ in tensors:  # take part in the reductions
                 pass
             return self.gatherer.stats
+        sent = [0]
+        quantize = _fp8_bucket(sent) if self.fp8 else _counted(sent)
         if self.transport == "tensor":
             self.loop.run_until_complete(_push_tensors(self.engines, tensors, weight_version,
-                                                       self.bucket_bytes))
+                                                       self.bucket_bytes, quantize))
         elif self.transport == "disk":
-            self.loop.run_until_complete(_push_disk(self.engines, tensors, weight_version,
+            stream = (kv for bucket in split_buckets(tensors, self.bucket_bytes)
+                      for kv in quantize(bucket))  # streamed: a bucket in memory at a time
+            self.loop.run_until_complete(_push_disk(self.engines, stream, weight_version,
                                                     self.disk_dir))
         else:
             self.loop.run_until_complete(_push_distributed(
                 self.engines, tensors, weight_version, self.bucket_bytes, self.master_address,
-                self.timeout_s))
+                self.timeout_s, quantize))
         stats = self.gatherer.stats
+        stats.extra["sent_bytes"] = sent[0]
         stats.transfer_s = time.perf_counter() - t_start - stats.gather_s - stats.convert_s
         return stats
 
@@ -242,9 +260,31 @@ def _same_machine(url: str) -> bool:
     return urlparse(url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def _counted(sent: list[int]) -> Callable[[Bucket], Bucket]:
+    def send_as_is(bucket: Bucket) -> Bucket:
+        sent[0] += sum(t.numel() * t.element_size() for _, t in bucket)
+        return bucket
+    return send_as_is
+
+
+def _fp8_bucket(sent: list[int]) -> Callable[[Bucket], Bucket]:
+    """A bucket with its projections quantized (blockwise e4m3 + scale_inv), bytes counted."""
+    from megatron_rl.checkpoint.fp8 import quantize_named
+
+    count = _counted(sent)
+
+    def quantize(bucket: Bucket) -> Bucket:
+        return count(list(quantize_named(bucket)))
+    return quantize
+
+
 async def _push_tensors(engines: list[HttpEngine], tensors: Iterator, version: int,
-                        bucket_bytes: int) -> None:
+                        bucket_bytes: int, transform: Callable[[Bucket], Bucket]) -> None:
     for bucket, last in buckets_with_last(tensors, bucket_bytes):
+        bucket = transform(bucket)
         await asyncio.gather(*(e.update_weights_from_tensors(bucket, version if last else None)
                                for e in engines))
 
@@ -264,7 +304,8 @@ async def _push_disk(engines: list[HttpEngine], tensors: Iterator, version: int,
 
 
 async def _push_distributed(engines: list[HttpEngine], tensors: Iterator, version: int,
-                            bucket_bytes: int, master_address: str, timeout_s: float) -> None:
+                            bucket_bytes: int, master_address: str, timeout_s: float,
+                            transform: Callable[[Bucket], Bucket]) -> None:
     """Rank 0 and the engines form their own broadcast group (rank 0 = trainer, engine i =
     rank i + 1); each bucket is announced over HTTP while rank 0 broadcasts it."""
     from megatron_rl.distributed.process_groups import free_port
@@ -281,6 +322,7 @@ async def _push_distributed(engines: list[HttpEngine], tensors: Iterator, versio
     await asyncio.gather(*joins)
     try:
         for bucket, last in buckets_with_last(tensors, bucket_bytes):
+            bucket = transform(bucket)
             announce = [asyncio.create_task(e.update_weights_from_distributed(
                 [n for n, _ in bucket], [t.dtype for _, t in bucket],
                 [list(t.shape) for _, t in bucket], version if last else None,

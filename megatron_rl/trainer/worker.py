@@ -84,7 +84,8 @@ class TrainerWorker:
             self.syncer.close()
         self.syncer = WeightSyncer(gatherer_for(self.actor), urls,
                                    transport=self.cfg.rl.sync_transport,
-                                   bucket_bytes=self.cfg.rollout.bucket_mb << 20)
+                                   bucket_bytes=self.cfg.rollout.bucket_mb << 20,
+                                   fp8=self.cfg.rollout.sync_fp8)
 
     def sync(self, version: int) -> dict[str, float]:
         if self.syncer is None:
@@ -93,9 +94,20 @@ class TrainerWorker:
         return {"sync/seconds": stats.seconds, "sync/gather_s": stats.gather_s,
                 "sync/mb": stats.bytes / 1e6}
 
+    def offload(self) -> dict[str, float]:
+        """Colocated: the actor's GPU memory to host before the engines take the GPUs (on
+        CPU only counted); `memory/offload_*` metrics."""
+        return self.actor.offload().metrics()
+
+    def onload(self) -> dict[str, float]:
+        return self.actor.onload().metrics()
+
     def update(self, batch: TokenBatch, entropy_coef: float) -> dict[str, float]:
         """One run step's policy update; `entropy_coef` comes from the driver (EntroPIC may
         move it away from `rl.loss.entropy_coef`)."""
+        if self.actor.offloaded:
+            raise RuntimeError("TrainerWorker.update while the actor is offloaded: onload "
+                               "first (engines/colocation.py gives the order)")
         rl, train = self.cfg.rl, self.cfg.train
         loss = dataclasses.replace(rl.loss, entropy_coef=entropy_coef)
         return policy_update(self.actor, batch, loss, rl.tis, self.reference,
@@ -104,8 +116,15 @@ class TrainerWorker:
 
     def save(self, progress: dict[str, Any]) -> None:
         cfg = self.cfg.checkpoint
-        save_checkpoint(self.actor, cfg.dir, keep_last=cfg.keep_last,
-                        progress={**progress, REFERENCE_KEY: self.started_from})
+        offloaded = self.actor.offloaded  # colocated: between steps the actor is on host
+        if offloaded:
+            self.actor.onload()
+        try:
+            save_checkpoint(self.actor, cfg.dir, keep_last=cfg.keep_last,
+                            progress={**progress, REFERENCE_KEY: self.started_from})
+        finally:
+            if offloaded:
+                self.actor.offload()
 
     def close(self) -> None:
         if self.syncer is not None:

@@ -1,0 +1,85 @@
+"""Job bodies for the memory planner's checks (tests/test_plan.py), run inside the worker
+pools: the built model's parameters per rank, and the measured peak memory of a train step."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import torch.distributed as dist
+
+from megatron_rl.config.loader import load_config
+
+
+def rank_parameters(overrides: list[str]) -> dict[str, int]:
+    """{name: numel} of this rank's built model stage (what the planner counts per rank),
+    and its pipeline stage under `__stage__`."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.distributed.process_groups import init_model_parallel
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.registry import model_spec
+
+    cfg = load_config(None, list(overrides))
+    init_model_parallel(cfg.parallel, cfg.train.seed)
+    model = build_gpt_model(model_spec(cfg.model), cfg.model, cfg.parallel)
+    out = {name: p.numel() for name, p in model.named_parameters()}
+    out["__stage__"] = ps.get_pipeline_model_parallel_rank()
+    del model
+    gc.collect()
+    return out
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    # writing 5 to clear_refs resets VmHWM (the peak RSS) to the current RSS (Linux >= 4.0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_step_memory(overrides: list[str], rows: int, seq: int) -> dict[str, int]:
+    """Peak RSS of a steady-state train step (the second: Adam's states exist from the first)
+    over the rank's RSS before the actor was built, after a throwaway actor has done the lazy
+    imports and first-use allocations. Also the RSS growth of the build alone."""
+    import torch
+
+    from megatron_rl.records.batch import TokenBatch
+    from megatron_rl.trainer.actor import MegatronActor
+    from megatron_rl.trainer.losses import lm_loss
+
+    # large allocations straight from mmap, so a freed tensor leaves the RSS and the peak RSS
+    # follows the live tensors (glibc's default threshold grows and keeps freed blocks)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+    cfg = load_config(None, list(overrides))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 512, (rows, seq + 1), generator=g)
+    batch = TokenBatch.from_sequences(tokens, torch.ones_like(tokens))
+    warm = MegatronActor(cfg)
+    warm.train_step(batch, lm_loss)
+    del warm
+    gc.collect()
+    libc.malloc_trim(0)
+    dist.barrier()
+    base = _rss_bytes("VmRSS")
+    actor = MegatronActor(cfg)
+    gc.collect()
+    built = _rss_bytes("VmRSS")
+    actor.train_step(batch, lm_loss)
+    gc.collect()
+    libc.malloc_trim(0)
+    _reset_peak_rss()
+    actor.train_step(batch, lm_loss)
+    peak = _rss_bytes("VmHWM")
+    params = sum(p.numel() for p in actor.model[0].module.parameters())
+    del actor
+    gc.collect()
+    return {"built": built - base, "peak": peak - base, "params": params}
