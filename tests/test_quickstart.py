@@ -11,6 +11,7 @@ import sys
 
 import pyarrow.parquet as pq
 
+from megatron_rl import quickstart as q
 from tests.cli_run import cli_in_process
 
 
@@ -187,3 +188,27 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     # a re-run resumes: every stage is skipped, the report is rewritten
     proc = _cli("quickstart", "--out", str(out), "--smoke", "--rl-seeds", "2", fresh=True)
     assert proc.stdout.count("earlier run") == len(state) and "$ megatron-rl" not in proc.stdout
+
+
+def test_a_rerun_redoes_a_stage_whose_command_changed_and_every_stage_after_it(tmp_path):
+    ran: list[str] = []
+
+    def runner(argv: list[str]) -> int:
+        ran.append(argv[0])
+        (tmp_path / argv[0]).write_text(" ".join(argv))
+        return 0
+
+    def todo(steps: int) -> list[q.Stage]:
+        return [q.Stage(n, [n, *extra], tmp_path / n)
+                for n, extra in (("a", []), ("b", [f"train.steps={steps}"]), ("c", []))]
+
+    q.run_stages(tmp_path, todo(1), runner)
+    q.run_stages(tmp_path, todo(1), runner)
+    assert ran == ["a", "b", "c"]              # the same commands: all skipped
+    q.run_stages(tmp_path, todo(2), runner)
+    assert ran[3:] == ["b", "c"]               # b changed; c may read what b wrote
+    (tmp_path / "c").unlink()
+    q.run_stages(tmp_path, todo(2), runner)
+    assert ran[5:] == ["c"]                    # a lost artifact: that stage again
+    state = json.loads((tmp_path / "stages.json").read_text())
+    assert state["b"]["argv"] == ["b", "train.steps=2"]
