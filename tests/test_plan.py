@@ -109,10 +109,23 @@ def test_recipe_plan_prints_the_budget(capsys):
 
 
 def test_a_recipe_that_does_not_fit_is_told_what_would(capsys):
-    # SGLang's default share beside the trainer's state: the plan names a fraction that fits
-    code = main(["plan", "--recipe", "qwen3-8b-h20", "rollout.engine_mem_fraction=0.8"])
+    # an engine share the GPU cannot hold even with the trainer parked on the host: the plan
+    # names a fraction that fits
+    code = main(["plan", "--recipe", "qwen3-8b-h20", "rollout.engine_mem_fraction=0.9"])
     text = capsys.readouterr().out
     assert code == 1 and "does NOT fit" in text and "rollout.engine_mem_fraction=" in text
+
+
+def test_colocated_engines_have_the_gpu_while_the_trainer_is_parked_on_the_host():
+    cfg = load_config("qwen3-8b-h20")
+    colocated = mp.plan_config(cfg)
+    s = colocated.stages[0]
+    # the trainer offloads before every rollout (engines/colocation.py): nothing of it stays
+    assert s.resident == 0 and s.peak == max(s.train_peak, s.engine + s.overhead)
+    assert any("pinned host memory" in n for n in colocated.notes)
+    apart = mp.plan_config(load_config("qwen3-8b-h20", ["rollout.layout=disaggregated"]))
+    d = apart.stages[0]
+    assert d.engine == 0 and d.resident == d.weights + d.grads + d.optimizer
 
 
 def test_bad_plan_inputs_name_the_field():
@@ -146,7 +159,7 @@ def test_the_new_fields_reach_megatron_and_sglang():
     from megatron_rl.models.builder import transformer_config
 
     cfg = load_config("qwen3.5-35b-a3b-h20")
-    assert engine_spec(cfg.rollout).sglang == {"mem_fraction_static": 0.2, "ep_size": 4}
+    assert engine_spec(cfg.rollout).sglang == {"mem_fraction_static": 0.8, "ep_size": 4}
     assert engine_spec(cfg.rollout, gpus=4).sglang == {}  # an aux pool keeps its own
     cfg = load_config(None, ["model.recompute_activations=true",
                              "model.recompute_granularity=selective"])

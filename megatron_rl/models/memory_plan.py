@@ -342,6 +342,7 @@ class StageMemory:
     transient: float
     engine: float
     overhead: float
+    resident: float = 0.0  # trainer bytes left on the GPU while the engines generate
 
     @property
     def params(self) -> int:
@@ -355,7 +356,7 @@ class StageMemory:
     @property
     def peak(self) -> float:
         """The larger of the training phase and the rollout phase (colocated engines)."""
-        rollout = self.weights + self.grads + self.optimizer + self.engine + self.overhead
+        rollout = self.resident + self.engine + self.overhead
         return max(self.train_peak, rollout)
 
 
@@ -502,7 +503,11 @@ def plan(spec: ModelSpec, lay: Layout, wl: Workload, engine: Engine, device: Dev
             stage=s, dense_params=dense, expert_params=expert,
             weights=(dense + expert) * e_param, grads=(dense + expert) * 4.0,  # fp32 grad buffer
             optimizer=opt * (1 - lay.offload), optimizer_offloaded=opt * lay.offload,
-            activations=acts, transient=transient, engine=engine_share, overhead=overhead))
+            activations=acts, transient=transient, engine=engine_share, overhead=overhead,
+            # colocated, the trainer offloads weights, grads and optimizer to pinned host
+            # memory before every rollout (engines/colocation.py, trainer/offload.py)
+            resident=0.0 if colocated and on_gpu else
+            (dense + expert) * (e_param + 4.0) + opt * (1 - lay.offload)))
     if device.shared:  # CPU: engines are processes on the same machine
         engine_peak = claim
     else:
@@ -511,6 +516,11 @@ def plan(spec: ModelSpec, lay: Layout, wl: Workload, engine: Engine, device: Dev
         host = (sum(s.optimizer_offloaded for s in stages) / lay.pp
                 * min(lay.world, device.gpus_per_node))
         notes.append(f"offloaded optimizer: ~{host / GiB:.0f} GiB of host memory per node")
+    if on_gpu and colocated:
+        parked = (max(s.weights + s.grads + s.optimizer for s in stages)
+                  * min(lay.world, device.gpus_per_node))
+        notes.append(f"colocated: the trainer parks ~{parked / GiB:.0f} GiB per node in pinned "
+                     "host memory while the engines generate")
     return Plan(spec.name, device, lay, wl, engine, stages, engine_peak, problems, notes,
                 model_params=spec.num_parameters(), engine_need=need)
 
@@ -629,7 +639,7 @@ def fit_engine_fraction(p: Plan, step: float = 0.05) -> Plan:
         return p
     if any("engine" not in problem for problem in p.problems):
         return p  # the trainer layout itself is wrong
-    resident = max(s.weights + s.grads + s.optimizer + s.overhead for s in p.stages)
+    resident = max(s.resident + s.overhead for s in p.stages)
     train = max(s.train_peak for s in p.stages)
     room = p.usable - resident - ENGINE_RUNTIME_GIB * GiB
     fraction = math.floor(room / (p.device.memory_gib * GiB) / step) * step
