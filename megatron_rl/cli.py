@@ -140,7 +140,7 @@ def _convert_megatron_to_hf(args: argparse.Namespace) -> int:
             export_hf(args.ckpt, str(staged), args.model, tokenizer_dir=args.tokenizer,
                       dtype="bf16", max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                       overwrite=True)
-            return _print_fp8(str(staged), args.out, args.model, args)
+            return _quantize_fp8(str(staged), args)
         finally:
             shutil.rmtree(staged, ignore_errors=True)
     r = export_hf(args.ckpt, args.out, args.model, tokenizer_dir=args.tokenizer,
@@ -152,16 +152,17 @@ def _convert_megatron_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_fp8(src: str, out: str, model: str | None, args: argparse.Namespace) -> int:
-    from megatron_rl.checkpoint.fp8 import quantize_hf_checkpoint
+def _quantize_fp8(src: str, args: argparse.Namespace) -> int:
+    """`src` (an HF folder) as blockwise FP8 into `args.out`."""
+    from megatron_rl.checkpoint.fp8 import REL_BOUND, quantize_hf_checkpoint
 
-    r = quantize_hf_checkpoint(src, out, model, backend=args.fp8_backend,
+    r = quantize_hf_checkpoint(src, args.out, args.model, backend=args.fp8_backend,
                                max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                                overwrite=args.overwrite)
-    print(f"[convert] {out}: blockwise FP8 e4m3 (128x128, {r['backend']} quantizer), "
+    print(f"[convert] {args.out}: blockwise FP8 e4m3 (128x128, {r['backend']} quantizer), "
           f"{r['fp8_tensors']} FP8 tensors, {r['kept_tensors']} kept as stored, "
           f"{r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f}s; max relative error "
-          f"{r['max_normal_relative_error']:.4f} (bound 0.0625)")
+          f"{r['max_normal_relative_error']:.4f} (bound {REL_BOUND:g})")
     return 0
 
 
@@ -169,7 +170,7 @@ def _convert_fp8(args: argparse.Namespace) -> int:
     from megatron_rl.utils.logs import quiet_libraries
 
     quiet_libraries()
-    return _print_fp8(args.hf, args.out, args.model, args)
+    return _quantize_fp8(args.hf, args)
 
 
 def _search_build(args: argparse.Namespace) -> int:

@@ -151,15 +151,13 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
                 onload=_timed(times, "onload", trainer.call, "onload") if colocated else None,
                 offload=_timed(times, "offload", trainer.call, "offload") if colocated
                 else None))
-            t2 = t1 + times.get("train", 0.0)
-            t3 = t2 + times["sync"]
             if entropy is not None and "entropy" in metrics:
                 coef = entropy.update(metrics["entropy"])
             if rl.eval_every and (step + 1) % rl.eval_every == 0:
                 metrics.update(loop.run(evaluate_prompts(
                     task.eval_agent, engines.policy, task.score, task.held_out)))
             metrics.update({"entropy_coef": coef, "time/rollout": t1 - t0,
-                            "time/train": t2 - t1, "time/sync": t3 - t2,
+                            "time/train": times.get("train", 0.0), "time/sync": times["sync"],
                             "time/step": time.perf_counter() - t0,
                             "batch/sequences": float(batch.rows if batch else 0)})
             _dump(out / "trajectories.jsonl", step + 1, trajs)

@@ -217,7 +217,7 @@ class WeightSyncer:
                 pass
             return self.gatherer.stats
         sent = [0]
-        quantize = _fp8_bucket(sent) if self.fp8 else _counted(sent)
+        quantize = _counted(sent, self.fp8)
         if self.transport == "tensor":
             self.loop.run_until_complete(_push_tensors(self.engines, tensors, weight_version,
                                                        self.bucket_bytes, quantize))
@@ -263,22 +263,16 @@ def _same_machine(url: str) -> bool:
 Bucket = list[tuple[str, torch.Tensor]]
 
 
-def _counted(sent: list[int]) -> Callable[[Bucket], Bucket]:
-    def send_as_is(bucket: Bucket) -> Bucket:
-        sent[0] += sum(t.numel() * t.element_size() for _, t in bucket)
-        return bucket
-    return send_as_is
-
-
-def _fp8_bucket(sent: list[int]) -> Callable[[Bucket], Bucket]:
-    """A bucket with its projections quantized (blockwise e4m3 + scale_inv), bytes counted."""
+def _counted(sent: list[int], fp8: bool = False) -> Callable[[Bucket], Bucket]:
+    """What a bucket goes out as (`fp8`: its projections blockwise e4m3 + scale_inv), with
+    its bytes added to `sent[0]`."""
     from megatron_rl.checkpoint.fp8 import quantize_named
 
-    count = _counted(sent)
-
-    def quantize(bucket: Bucket) -> Bucket:
-        return count(list(quantize_named(bucket)))
-    return quantize
+    def send(bucket: Bucket) -> Bucket:
+        out = list(quantize_named(bucket)) if fp8 else bucket
+        sent[0] += sum(t.numel() * t.element_size() for _, t in out)
+        return out
+    return send
 
 
 async def _push_tensors(engines: list[HttpEngine], tensors: Iterator, version: int,
