@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from generated_moe import add_size_args, spec_yaml
+from results import emit
 
 FLOOR = ("import resource, torch, transformers, megatron_rl.checkpoint.convert; "
          "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
@@ -77,6 +78,11 @@ def main() -> None:
     for name, secs, rss in rows:
         print(f"{name:34s} {secs:8.1f} {size_mb / secs:7.1f} {rss:7.0f}MB {rss - floor:10.0f}MB "
               f"{(rss - floor) / size_mb:7.2f}")
+    for name, secs, rss in rows:
+        short = name.split(" (")[0]
+        emit(f"conversion {short}, MB/s", size_mb / secs, 100.0, unit="MB/s")
+        emit(f"conversion {short}, peak RSS above the floor / checkpoint size",
+             (rss - floor) / size_mb, 0.5, better="lower")
     print(json.dumps({"size_mb": size_mb, "floor_mb": floor,
                       "rows": [{"direction": n, "seconds": s, "peak_rss_mb": r}
                                for n, s, r in rows]}))

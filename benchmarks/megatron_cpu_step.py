@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from results import emit
 
 
 def _profile(step, title: str, rows: int = 18) -> None:
@@ -120,6 +121,8 @@ def main() -> None:
     print(f"{'plain PyTorch (transformers)':28s} {t_plain * 1e3:10.1f} {plain_tps:10.0f}")
     print(f"{'Megatron-core (local spec)':28s} {t_mcore * 1e3:10.1f} {mcore_tps:10.0f}")
     print(f"ratio megatron/plain tokens/s = {mcore_tps / plain_tps:.2f}")
+    emit(f"Megatron CPU train step / plain PyTorch, tokens/s ({args.model})",
+         mcore_tps / plain_tps, 1.0)
 
 
 if __name__ == "__main__":

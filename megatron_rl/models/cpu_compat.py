@@ -301,6 +301,29 @@ def _probe_eager() -> bool:
     return megatron.core.jit.jit_fuser is torch.compile
 
 
+# -- identitysort: the alltoall dispatcher re-sorts tokens by local expert even when one rank
+# holds every expert (TP x EP = 1): the permutation is the identity and costs a full copy of
+# the tokens (split + cat) forward and backward. On GPU TE fuses it; here it is skipped.
+def _apply_identitysort() -> None:
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    orig = td.sort_chunks_by_idxs
+
+    def sort(input, split_sizes, sorted_idxs, probs=None, fused=False):
+        if torch.equal(sorted_idxs, torch.arange(len(sorted_idxs), device=sorted_idxs.device)):
+            return input, probs
+        return orig(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+    td.sort_chunks_by_idxs = sort
+
+
+def _probe_identitysort() -> bool:
+    import megatron.core.transformer.moe.token_dispatcher as td
+
+    x = torch.ones(2, 1)
+    return td.sort_chunks_by_idxs(x, torch.tensor([1, 1]), torch.arange(2))[0] is not x
+
+
 def _probe_gdn() -> bool:
     import importlib
 
@@ -328,6 +351,8 @@ SHIMS: tuple[Shim, ...] = (
          _probe_gdn),
     Shim("eager", "fused helpers are torch.compile (inductor compiles C++ per shape)",
          _apply_eager, _probe_eager),
+    Shim("identitysort", "MoE dispatcher copies tokens through an identity re-sort",
+         _apply_identitysort, _probe_identitysort),
 )
 
 

@@ -14,6 +14,7 @@ the block is composed here from megatron's local modules, for every registry arc
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -37,10 +38,9 @@ class RMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         gamma = self.weight.float() + 1.0 if self.zero_centered else self.weight.float()
-        return (h * gamma).to(x.dtype)
+        # torch's fused rms_norm is the same fp32 math in one op (one autograd node, not five)
+        return torch.nn.functional.rms_norm(x.float(), gamma.shape, gamma, self.eps).to(x.dtype)
 
 
 class PlainTENorm:
@@ -54,6 +54,72 @@ class PlainTENorm:
         plain = copy.copy(config)
         plain.layernorm_zero_centered_gamma = False
         return TENorm(plain, hidden_size, eps)
+
+
+@functools.cache
+def torch_sdpa_attention() -> type:
+    """Megatron's local `DotProductAttention` computed by torch's fused
+    `scaled_dot_product_attention` (the flash kernel on CPU). The unfused path materialises the
+    [b*np, sq, sk] scores, their softmax and its backward: the largest share of a tiny model's
+    CPU step. Same math (causal or a bool mask, GQA); what SDPA cannot express here (softmax
+    offsets, sliding windows, query-key layer scaling, attention dropout while training, a
+    query shorter than its keys) runs megatron's own forward."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class TorchSDPAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            if (packed_seq_params is not None or attention_bias is not None
+                    or self.softmax_offset is not None
+                    or self.config.apply_query_key_layer_scaling
+                    or self.scale_mask_softmax.window_size is not None
+                    or (self.training and self.attention_dropout.p > 0)
+                    or query.shape[0] != key.shape[0]):
+                return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                       attention_bias, packed_seq_params)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+            allowed = None if attention_mask is None else ~attention_mask  # megatron: True = masked
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, scale=self.softmax_scale,
+                is_causal=allowed is None and self.attn_mask_type == AttnMaskType.causal,
+                enable_gqa=k.shape[1] != q.shape[1])
+            return out.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0],
+                                                   self.hidden_size_per_partition)
+
+    return TorchSDPAttention
+
+
+@functools.cache
+def grouped_experts() -> type:
+    """Megatron's `SequentialMLP` (same parameters and checkpoint names) computed by torch's
+    `grouped_mm`: two GEMMs over all local experts instead of a Python loop that runs one MLP
+    module per expert, forward and backward. Expert linears never communicate inside the
+    experts (the dispatcher does), so this is the same math; configurations with biases, FP8,
+    clamped or offset GLUs, or probabilities applied on the input run megatron's loop."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class GroupedExperts(SequentialMLP):
+        def _loops(self, tokens: torch.Tensor) -> bool:
+            cfg, first = self.config, self.local_experts[0]
+            return (self.num_local_experts == 1 or tokens.shape[0] == 0 or cfg.fp8 or cfg.fp4
+                    or cfg.moe_apply_probs_on_input or not cfg.gated_linear_unit
+                    or cfg.activation_func_clamp_value is not None or cfg.glu_linear_offset
+                    or cfg.use_te_activation_func or cfg.bias_activation_fusion
+                    or first.linear_fc1.bias is not None or first.linear_fc2.bias is not None)
+
+        def forward(self, tokens, tokens_per_expert, probs):
+            if self._loops(tokens):
+                return super().forward(tokens, tokens_per_expert, probs)
+            grouped_mm = torch.nn.functional.grouped_mm
+            offsets = torch.cumsum(tokens_per_expert.to(tokens.device), 0, dtype=torch.int32)
+            fc1 = torch.stack([e.linear_fc1.weight.t() for e in self.local_experts])  # [E,h,2f]
+            fc2 = torch.stack([e.linear_fc2.weight.t() for e in self.local_experts])  # [E,f,h]
+            gate, up = grouped_mm(tokens, fc1, offs=offsets).chunk(2, dim=-1)
+            inter = (self.config.activation_func(gate) * up * probs.unsqueeze(-1)).to(tokens.dtype)
+            return grouped_mm(inter, fc2, offs=offsets), None
+
+    return GroupedExperts
 
 
 def _plain_gdn_out_norm():
@@ -95,6 +161,10 @@ def _local_block_spec(spec: ModelSpec, config: Any):
 
     mlp = get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=spec.num_experts,
                                           moe_grouped_gemm=False)
+    if spec.is_moe:  # megatron hands back partials: swap the experts' class, keep its args
+        moe = mlp.keywords["submodules"]
+        moe.experts = functools.partial(grouped_experts(), *moe.experts.args,
+                                        **moe.experts.keywords)
     kinds = spec.layer_types
     if "linear_attention" in kinds:
         from megatron_rl.models import cpu_compat
@@ -110,7 +180,6 @@ def _layer_spec(kind: str, spec: ModelSpec, mlp: Any):
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -131,7 +200,7 @@ def _layer_spec(kind: str, spec: ModelSpec, mlp: Any):
         mixer = ModuleSpec(
             module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
             submodules=SelfAttentionSubmodules(
-                linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
+                linear_qkv=ColumnParallelLinear, core_attention=torch_sdpa_attention(),
                 linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
         keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     if not spec.is_moe:  # TE fuses this norm into the dense fc1 (not into the MoE router)
