@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: dict[str, list[str]] = {
     "weight_sync": ["--transports", "one-copy,tensor"],
     "megatron_cpu_step": [],
-    "engine_vs_generate": [],
+    "engine_vs_generate": ["--models", "tiny-moe,tiny-qwen3.5"],
     "partial_rollout": ["--steps", "12"],
     "step_overhead": ["--steps", "4"],
     "conversion": ["--layers", "6"],

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from generated_moe import add_size_args, spec_yaml
+from results import emit
 
 
 def _memcpy_bytes_per_s(nbytes: int, repeats: int = 3) -> float:
@@ -39,7 +40,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_size_args(p, layers=6, hidden=512, experts=16)
     p.add_argument("--bucket-mb", type=int, default=512)
-    p.add_argument("--transports", default="tensor,distributed,disk")
+    p.add_argument("--transports", default="one-copy,tensor,distributed,disk",
+                   help="one-copy: the tensor transport writing into the engine's shared "
+                        "parameters; tensor: the same transport with shm buckets")
     a = p.parse_args()
 
     from megatron_rl.checkpoint.convert import export_hf
@@ -68,8 +71,9 @@ def main() -> None:
             rows = []
             version = 0
             for transport in a.transports.split(","):
-                with WeightSyncer(gatherer, [url], transport=transport,
-                                  bucket_bytes=a.bucket_mb << 20,
+                one_copy = transport == "one-copy"
+                with WeightSyncer(gatherer, [url], transport="tensor" if one_copy else transport,
+                                  bucket_bytes=a.bucket_mb << 20, one_copy=one_copy,
                                   disk_dir=str(tmp / "disk")) as syncer:
                     for when in ("first", "steady"):  # a run syncs every step: warm buffers
                         version += 1
@@ -89,7 +93,12 @@ def main() -> None:
     for transport, secs, s in rows:
         rate = s.bytes / secs
         print(f"{transport:22s} {secs:8.2f} {rate / 1e6:8.0f} {rate / memcpy:9.3f} "
-              f"{s.gather_s:7.2f} {s.convert_s:8.2f} {s.transfer_s:9.2f}")
+              f"{s.gather_s:7.2f} {s.convert_s:8.2f} {s.transfer_s:9.2f}"
+              + (f"  (write {s.extra['write_s']:.2f}, flip {s.extra['flip_s']:.3f})"
+                 if "write_s" in s.extra else ""))
+    steady = {t: s.bytes / secs / memcpy for t, secs, s in rows if t.endswith("(steady)")}
+    best = max(steady, key=steady.get)
+    emit(f"weight sync / memcpy, steady ({best.split()[0]})", steady[best], 0.8)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ new weights.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import dataclasses
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_rl.engines import embedded_core
 from megatron_rl.engines.base import EngineError, GenerateRequest, SamplingParams
 from megatron_rl.engines.embedded import EmbeddedServer
+from megatron_rl.engines.embedded_core import EmbeddedCore, Sampling, Seq, prefill_buckets
 from megatron_rl.engines.http_client import HttpEngine
 from megatron_rl.engines.sglang_schema import TypeChecker
 from megatron_rl.engines.tensors import encode_safetensors
@@ -561,3 +565,122 @@ def test_the_qwen3_5_hybrid_batches_its_recurrent_states() -> None:
                                min_new_tokens=n)[0, len(p):].tolist()
                 for p, n in zip(prompts, lengths, strict=True)]
     assert got == want
+
+
+# ---------------------------------------------------------------------------------------------
+# the core driven directly (no HTTP): continuous batching against `generate`
+
+
+def hf_model(name: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(get_model_spec(name).hf_config()).float().eval()
+
+
+def mixed_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def core_seq(rid: str, prompt: list[int], n: int) -> Seq:
+    return Seq(rid=rid, prompt=list(prompt), sampling=Sampling(temperature=0.0, max_new_tokens=n),
+               return_logprob=True, return_routed=False, future=concurrent.futures.Future())
+
+
+def step(core: EmbeddedCore) -> None:
+    """One scheduler step as `EmbeddedCore._loop` takes it, on this thread: joins happen at
+    steps the test chooses."""
+    if core.pending and len(core.batch) < core.max_batch_size:
+        core._admit()
+    if core.batch:
+        core._decode()
+
+
+@torch.no_grad()
+def left_padded_generate(model: torch.nn.Module, prompts: list[list[int]], n: int
+                         ) -> list[list[int]]:
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                         min_new_tokens=n, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-dense", "tiny-qwen3.5"])
+def test_core_greedy_equals_generate_on_a_mixed_length_batch(name: str) -> None:
+    """All prompts submitted at once, as benchmarks/engine_vs_generate.py does: prefilled in
+    length buckets, decoded as one batch; every output equals `generate`'s on the left-padded
+    batch and on its prompt alone."""
+    model = hf_model(name)
+    prompts, n = mixed_prompts(10, 2, 120, seed=1), 12
+    assert len(prefill_buckets(list(map(len, prompts)), embedded_core.PREFILL_CALL_TOKENS)) > 1
+    core = EmbeddedCore(model)
+    core.start()
+    try:
+        seqs = [core_seq(f"m{i}", p, n) for i, p in enumerate(prompts)]
+        for s in seqs:
+            core.submit(s)
+        got = [s.future.result(timeout=300)["output_ids"] for s in seqs]
+    finally:
+        core.stop()
+    assert core.max_running == len(prompts)
+    assert got == left_padded_generate(model, prompts, n)
+    assert got == [hf_greedy(model, p, n) for p in prompts]
+
+
+@pytest.mark.parametrize(("name", "attention"), [
+    ("tiny-moe", "bias"), ("tiny-moe", "mask4d"), ("tiny-moe", "mask2d"),
+    ("tiny-qwen3.5", "mask4d")])
+def test_rows_joining_and_leaving_a_running_batch_keep_generates_outputs(
+        name: str, attention: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests join a running batch with prompts longer and shorter than its width, wait for
+    a free row, leave at different steps and outgrow the cache's spare columns; each output
+    still equals `generate` of its prompt alone, whichever way padding reaches attention."""
+    monkeypatch.setattr(embedded_core, "SLAB_SPARE", 3)  # slabs run out of columns: they grow
+    model = hf_model(name)
+    core = EmbeddedCore(model, max_batch_size=4)
+    assert embedded_core.attention_mode(model) == ("mask4d" if "3.5" in name else "bias")
+    core.attention = attention
+    prompts = mixed_prompts(8, 2, 70, seed=2)
+    lengths = [4 + 3 * i for i in range(8)]
+    seqs = [core_seq(f"j{i}", p, n) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    with torch.no_grad():
+        core.pending.extend(seqs[:2])
+        for _ in range(3):
+            step(core)
+        core.pending.extend(seqs[2:])
+        while core.batch or core.pending:
+            step(core)
+    for s, p, n in zip(seqs, prompts, lengths, strict=True):
+        assert s.future.result(timeout=0)["output_ids"] == hf_greedy(model, p, n)
+        assert max_diff(s.logprobs, full_logprobs(model, p, s.out)) < TOL
+    assert core.max_running == 4 and core.cache is None and core.width == 0
+
+
+def test_a_decode_step_writes_the_kv_cache_in_place(model) -> None:
+    """No per-step copy: the slabs keep their storage until a row joins or leaves."""
+    core = EmbeddedCore(model)
+    with torch.no_grad():
+        core.pending.extend([core_seq("a", PROMPTS[0], 20), core_seq("b", PROMPTS[1], 8)])
+        step(core)
+        ptrs, width = [layer.kbuf.data_ptr() for layer in core.cache.layers], core.width
+        for _ in range(5):
+            step(core)
+        assert [layer.kbuf.data_ptr() for layer in core.cache.layers] == ptrs
+        assert core.width == width + 5
+        while len(core.batch) == 2:
+            step(core)  # "b" leaves: the slab is compacted to "a" alone, no padding left
+        assert core.pad.tolist() == [0] and not core.padded
+
+
+def test_prefill_buckets_cut_where_the_padding_saved_pays_for_a_pass() -> None:
+    assert prefill_buckets([7, 7, 7], 256) == [[0, 1, 2]]
+    assert prefill_buckets([190, 10, 180, 10], 256) == [[1, 3], [2, 0]]
+    assert prefill_buckets([190, 10, 180, 10], 10**6) == [[1, 3, 2, 0]]
+    assert prefill_buckets([5, 3, 9], 0) == [[1], [0], [2]]
+    assert prefill_buckets([], 256) == []

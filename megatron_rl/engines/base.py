@@ -32,7 +32,7 @@ CONTROL_ROUTES = frozenset({
     "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weight_version",
     "/init_weights_update_group", "/update_weights_from_distributed",
     "/destroy_weights_update_group", "/release_memory_occupation", "/resume_memory_occupation",
-    "/flush_cache"})
+    "/flush_cache", "/shared_weights", "/shared_weights/begin", "/shared_weights/commit"})
 
 
 # SGLang 0.5.23's memory regions (srt/constants.py GPU_MEMORY_TYPE_*), the `tags` of

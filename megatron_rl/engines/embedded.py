@@ -375,7 +375,10 @@ class EmbeddedServer:
             "/update_weights_from_distributed": self._update_from_distributed,
             "/destroy_weights_update_group": self._destroy_group,
             "/release_memory_occupation": self._release,
-            "/resume_memory_occupation": self._resume, "/flush_cache": self._flush}
+            "/resume_memory_occupation": self._resume, "/flush_cache": self._flush,
+            "/shared_weights": self._shared_weights,
+            "/shared_weights/begin": self._shared_begin,
+            "/shared_weights/commit": self._shared_commit}
         assert set(control) == CONTROL_ROUTES  # the client sends the token to the same set
         get_too = {"/release_memory_occupation", "/resume_memory_occupation", "/flush_cache"}
         for path, fn in control.items():
@@ -478,6 +481,22 @@ class EmbeddedServer:
         await self._call(lambda: self.core.load_weights(named, version),
                          "update_weights_from_tensor")
         return web.json_response({"success": True, "message": "Succeeded to update weights."})
+
+    # One-copy sync from a trainer on this machine (engines/shared_weights.py): the layout of
+    # the parameters in shared memory, then begin (hold every step) → the trainer writes →
+    # commit (new version, decoding goes on).
+    async def _shared_weights(self, request: web.Request) -> web.Response:
+        return web.json_response(await self._call(self.core.share_weights, "shared_weights"))
+
+    async def _shared_begin(self, request: web.Request) -> web.Response:
+        segment = await self._call(self.core.begin_weight_write, "shared_weights/begin")
+        return web.json_response({"success": True, "segment": segment})
+
+    async def _shared_commit(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        version = body.get("weight_version")
+        await self._call(lambda: self.core.commit_weight_write(version), "shared_weights/commit")
+        return web.json_response({"success": True, "weight_version": self.core.weight_version})
 
     async def _abort_all_if_asked(self, body: dict[str, Any]) -> None:
         if body.get("abort_all_requests"):

@@ -9,6 +9,8 @@ import base64
 import collections
 import concurrent.futures
 import difflib
+import functools
+import inspect
 import json
 import logging
 import math
@@ -27,10 +29,15 @@ import torch
 
 from megatron_rl.checkpoint.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
 from megatron_rl.engines.base import MEMORY_TAGS  # SGLang's tags; none given = all
+from megatron_rl.engines.shared_weights import SharedWeightStore
 
 log = logging.getLogger(__name__)
 
 _EPS = 1e-6  # SGLang: temperature below this is greedy
+# a prefill pass's fixed cost in tokens' worth of work (the tiny models on one CPU thread: a
+# pass of 1 row costs about what 200 more tokens do), for grouping prompts by length
+PREFILL_CALL_TOKENS = 256
+SLAB_SPARE = 256  # spare KV cache columns at most, allocated ahead of the decode steps
 
 
 def memory_tags(tags: Any) -> set[str]:
@@ -221,6 +228,11 @@ class Seq:
     started: float = field(default_factory=time.monotonic)
 
 
+# a prefill pass's rows that go on decoding: (those Seqs, their rows in the pass, the pass's
+# KV cache, each row's padding, the pass's width)
+_Part = tuple[list[Seq], list[int], Any, torch.Tensor, int]
+
+
 def parse_generate(body: dict[str, Any], *, vocab_size: int, context_length: int,
                    tokenizer: Any = None, has_routers: bool = False) -> Seq:
     """A /generate body → a Seq ready to schedule, or BadRequest naming the field.
@@ -373,7 +385,8 @@ class EmbeddedCore:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, weight_version: int = 0,
                  max_batch_size: int = 32, return_original_logprob: bool = False,
-                 context_length: int | None = None):
+                 context_length: int | None = None,
+                 prefill_call_tokens: int = PREFILL_CALL_TOKENS):
         self.model = model.eval()
         self.tokenizer = tokenizer
         cfg = model.config
@@ -393,8 +406,18 @@ class EmbeddedCore:
         self.control_log: list[tuple[str, tuple[str, ...]]] = []
         self.pending: collections.deque[Seq] = collections.deque()
         self.batch: list[Seq] = []
+        # the running rows' KV cache: right-aligned (every row's last token in the last column)
+        # in `SlabLayer`s with spare columns; row i's first `pad[i]` of `width` columns are
+        # padding. Recurrent (Gated DeltaNet) layers hold one state per row.
         self.cache: Any = None
-        self.mask: torch.Tensor | None = None
+        self.pad: torch.Tensor | None = None
+        self.width = 0
+        self.padded = False        # some row has padding (else no mask at all)
+        self.step_bias: torch.Tensor | None = None  # decode-step additive mask, spare columns
+        self.prefill_call_tokens = prefill_call_tokens
+        self.attention = attention_mode(model)
+        self.dtype = next(model.parameters()).dtype
+        self.inference_mode = keeps_no_state(model)
         self.rids: set[str] = set()
         self.inbox: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
@@ -403,7 +426,14 @@ class EmbeddedCore:
         self.stepping: list[Seq] = []   # the rows of the forward pass under way
         self.busy_seconds = 0.0  # spent in prefill and decode steps (generation proper)
         self.weights = WeightLoader(model)
+        self.shared: SharedWeightStore | None = None  # parameters in shared memory, on ask
+        self.writing = False  # a trainer is writing the shared weights: no step may run
         self.thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
+
+    @property
+    def held(self) -> bool:
+        """No step may run: paused, memory released, or shared weights being written."""
+        return self.paused or self.released or self.writing
 
     @property
     def released(self) -> bool:
@@ -427,6 +457,8 @@ class EmbeddedCore:
         self.inbox.put(("stop", None))
         if self.thread.is_alive():
             self.thread.join(timeout=timeout_s)
+        if self.shared is not None:
+            self.shared.close()
 
     @property
     def alive(self) -> bool:
@@ -446,7 +478,7 @@ class EmbeddedCore:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
-            busy = bool(self.batch or self.pending) and not self.paused and not self.released
+            busy = bool(self.batch or self.pending) and not self.held
             items = [] if busy else [self.inbox.get()]
             while True:
                 try:
@@ -472,7 +504,7 @@ class EmbeddedCore:
                         fut.set_result(fn())
                     except BaseException as e:  # the caller gets it; the engine goes on
                         fut.set_exception(e)
-            if self.paused or self.released:
+            if self.held:
                 continue
             t0 = time.perf_counter()
             try:
@@ -490,7 +522,8 @@ class EmbeddedCore:
             self.rids.discard(s.rid)
             if not s.future.done():
                 s.future.set_exception(e)
-        self.batch, self.pending, self.cache, self.mask = [], collections.deque(), None, None
+        self.batch, self.pending = [], collections.deque()
+        self._drop_kv()
         self.admitting = []
 
     def _fail(self, s: Seq, e: BaseException) -> None:
@@ -501,8 +534,9 @@ class EmbeddedCore:
         if not s.future.done():
             s.future.set_exception(e)
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any,
-                 routed: bool) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor,
+                 cache: Any, routed: bool, bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
         # router logits come from hooks on the routers, not `output_router_logits`: that also
         # computes the load-balancing loss, whose attention-mask shapes break on KV-cached
         # steps of more than one row
@@ -510,9 +544,15 @@ class EmbeddedCore:
         hooks = [m.register_forward_hook(
             lambda _m, _a, o, i=i: logits.append(o[i] if isinstance(o, (tuple, list)) else o))
             for m, i in (self.routers if routed else [])]
+        extra = {} if bias is None else {"position_bias": bias}  # see `attention_mode`
         try:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            # inference mode: less dispatch work per op than no_grad (the tiny models' steps
+            # are mostly per-op overhead). Its tensors (logits, a prefill's cache, a grown
+            # slab) are only read outside it: merge and retire copy them
+            with torch.inference_mode(self.inference_mode):
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1,
+                                 **extra)
         finally:
             for h in hooks:
                 h.remove()
@@ -550,39 +590,76 @@ class EmbeddedCore:
                 self._fail(s, e1)
 
     def _prefill(self, group: list[Seq]) -> None:
-        from transformers import DynamicCache
-
         # a retracted request comes back with its output so far: prefill prompt + output
         toks = [s.prompt + s.out for s in group]
+        # rows of similar lengths are prefilled together, so no pass pays for a long prompt's
+        # padding on many short ones. All passes run before any row joins the batch: a failure
+        # leaves the running batch as it was (the caller then retries the rows one by one).
+        parts = [self._prefill_rows([group[i] for i in rows], [toks[i] for i in rows])
+                 for rows in prefill_buckets([len(t) for t in toks], self.prefill_call_tokens)]
+        self._merge(parts)
+
+    def _prefill_rows(self, seqs: list[Seq], toks: list[list[int]]) -> _Part:
+        """One left-padded prefill pass: samples each row's next token; returns the rows'
+        cache for `_merge`."""
+        from transformers import DynamicCache
+
         width = max(len(t) for t in toks)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
+        pad = torch.tensor([width - len(t) for t in toks])
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, t in enumerate(toks):
             ids[i, width - len(t):] = torch.tensor(t)
-            mask[i, width - len(t):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        routed = any(s.return_routed for s in group)
-        self.stepping = group
+        pos = (torch.arange(width) - pad[:, None]).clamp(min=0)
+        mask, bias = self._masks(pad, width, prefill=True)
+        routed = any(s.return_routed for s in seqs)
+        self.stepping = seqs
         # the model's own layer kinds: Qwen3.5's Gated DeltaNet layers keep recurrent states
         logits, cache, experts = self._forward(ids, mask, pos,
-                                               DynamicCache(config=self.model.config), routed)
+                                               DynamicCache(config=self.model.config), routed,
+                                               bias)
         if experts is not None:
-            for i, s in enumerate(group):
+            for i, s in enumerate(seqs):
                 s.routed = list(experts[i, width - len(toks[i]):].numpy().astype(np.int32))
-        self._sample(group, logits)
-        keep = [i for i, s in enumerate(group) if s.finish is None]
-        self._merge([group[i] for i in keep], cache, mask, keep)
+        self._sample(seqs, logits)
+        keep = [i for i, s in enumerate(seqs) if s.finish is None]
+        return [seqs[i] for i in keep], keep, cache, pad, width
+
+    def _masks(self, pad: torch.Tensor, cols: int, prefill: bool
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(attention_mask, position_bias) for rows whose first `pad` of `cols` columns are
+        padding: neither without padding (the model's own causal path, no mask built)."""
+        if not bool(pad.any()):
+            return None, None
+        if self.attention == "bias":
+            return None, pad_bias(pad, cols, self.dtype)
+        if self.attention == "mask4d" and not prefill:
+            return pad_bias(pad, cols, self.dtype), None
+        return (torch.arange(cols) >= pad[:, None]).long(), None
+
+    def _step_masks(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`_masks` for a decode step, from a bias kept across steps (rebuilt only when rows
+        join or leave): the new column is never padding."""
+        cols = self.width + 1
+        if not self.padded:
+            return None, None
+        if self.attention == "mask2d":
+            return self._masks(self.pad, cols, prefill=False)
+        if self.step_bias is None or self.step_bias.shape[-1] < cols:
+            self.step_bias = pad_bias(self.pad, cols + SLAB_SPARE, self.dtype)
+        bias = self.step_bias[..., :cols]
+        return (None, bias) if self.attention == "bias" else (bias, None)
 
     def _decode(self) -> None:
         batch = self.batch
         try:
             ids = torch.tensor([[s.out[-1]] for s in batch])
-            pos = self.mask.sum(-1, keepdim=True)
-            mask = torch.cat([self.mask, torch.ones(len(batch), 1, dtype=torch.long)], -1)
+            pos = (self.width - self.pad)[:, None]
+            mask, bias = self._step_masks()
             routed = any(s.return_routed for s in batch)
             self.stepping = batch
-            logits, cache, experts = self._forward(ids, mask, pos, self.cache, routed)
-            self.cache, self.mask = cache, mask
+            # the cache is written in place (SlabLayer)
+            logits, _, experts = self._forward(ids, mask, pos, self.cache, routed, bias)
+            self.width += 1
             if experts is not None:
                 for i, s in enumerate(batch):
                     s.routed.append(experts[i, 0].numpy().astype(np.int32))
@@ -590,23 +667,51 @@ class EmbeddedCore:
             self._retire()
         except Exception as e:
             # the KV cache may be half-updated: drop it and re-prefill the rows one by one
-            self.batch, self.cache, self.mask = [], None, None
+            self.batch = []
+            self._drop_kv()
             self._alone(batch, e, "decode")
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+        # greedy rows with no token to ban: one argmax and one log-softmax for all of them
+        # (row by row it is ~4 tensor calls per row and step: at 16 rows, more time than the
+        # tiny models' attention takes)
+        fast = [i for i, s in enumerate(seqs)
+                if s.sampling.greedy and not self._banned(s, logits.shape[-1])]
+        picked: dict[int, tuple[int, float]] = {}
+        if fast:
+            try:
+                rows = logits if len(fast) == len(seqs) else logits[fast]
+                toks = rows.argmax(-1)
+                lps = torch.log_softmax(rows, -1).gather(-1, toks[:, None])[:, 0]
+                picked = dict(zip(fast, zip(toks.tolist(), lps.tolist(), strict=True),
+                                  strict=True))
+            except Exception:  # row by row below: a failure is then its request's own
+                picked = {}
         for i, s in enumerate(seqs):
             try:
-                self._sample_row(s, logits[i])
+                if i in picked:
+                    self._emit(s, *picked[i])
+                else:
+                    self._sample_row(s, logits[i])
             except Exception as e:  # this request's own failure: the others go on
                 self._fail(s, e)
 
+    def _banned(self, s: Seq, vocab: int) -> list[int]:
+        """The tokens SGLang's min_new_tokens penalizer bans now: stop tokens and EOS (never
+        every token)."""
+        sp = s.sampling
+        if len(s.out) >= sp.min_new_tokens or not (
+                sp.stop_token_ids or (self.eos_ids and not sp.ignore_eos)):
+            return []
+        banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids)
+        return list(banned) if len(banned) < vocab else []
+
     def _sample_row(self, s: Seq, row: torch.Tensor) -> None:
         sp = s.sampling
-        if len(s.out) < sp.min_new_tokens:  # SGLang's min_new_tokens penalizer
-            banned = list(set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_ids))
-            if len(banned) < len(row):  # never ban every token
-                row = row.clone()
-                row[banned] = float("-inf")
+        banned = self._banned(s, len(row))
+        if banned:
+            row = row.clone()
+            row[banned] = float("-inf")
         if sp.greedy:
             tok = int(torch.argmax(row))
             scaled = row
@@ -614,7 +719,10 @@ class EmbeddedCore:
             scaled = row / sp.temperature
             tok = self._draw(scaled, sp, s)
         lp_source = row if self.return_original_logprob else scaled
-        logprob = float(torch.log_softmax(lp_source, -1)[tok])
+        self._emit(s, tok, float(torch.log_softmax(lp_source, -1)[tok]))
+
+    def _emit(self, s: Seq, tok: int, logprob: float) -> None:
+        sp = s.sampling
         s.out.append(tok)
         s.logprobs.append(logprob)
         s.versions.append(self.weight_version)
@@ -637,70 +745,70 @@ class EmbeddedCore:
         choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=s.generator)
         return int(order[choice])
 
-    def _merge(self, seqs: list[Seq], cache: Any, mask: torch.Tensor, rows: list[int]) -> None:
-        """Append prefilled rows to the running batch, left-padding the shorter KV cache."""
-        if not seqs:
+    def _merge(self, parts: list[_Part]) -> None:
+        """Add prefilled rows to the running batch: one new slab per attention layer holding
+        the running rows and the new ones, all right-aligned at the widest width, with spare
+        columns for the decode steps ahead (one copy per admission, none per step)."""
+        # (cache, its rows to take or None for all, their padding, width)
+        srcs = [(cache, torch.tensor(keep), pad[keep], width)
+                for _, keep, cache, pad, width in parts if keep]
+        if not srcs:
             return
-        idx = torch.tensor(rows)
-        mask = mask[idx]
-        for layer in cache.layers:
-            if _is_recurrent(layer):
-                _map_states(layer, lambda x: x[idx])
-        new_layers = [(layer.keys[idx], layer.values[idx]) if not _is_recurrent(layer) else None
-                      for layer in cache.layers]
-        if not self.batch:
-            for layer, kv in zip(cache.layers, new_layers, strict=True):
-                if kv is not None:
-                    layer.keys, layer.values = kv
-            self.batch, self.cache, self.mask = list(seqs), cache, mask
-            self.max_running = max(self.max_running, len(self.batch))
-            return
-        t_old, t_new = self.mask.shape[1], mask.shape[1]
-        width = max(t_old, t_new)
-
-        def pad(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:
-            if t == width:
-                return x
-            shape = list(x.shape)
-            shape[dim] = width - t
-            return torch.cat([x.new_zeros(shape), x], dim)
-
+        if self.batch:
+            srcs.insert(0, (self.cache, None, self.pad, self.width))
+        seqs = self.batch + [s for part in parts for s in part[0]]
+        width = max(w for *_, w in srcs)
+        cap = width + self._headroom(seqs)
+        base = srcs[0][0]
         # computed before anything is assigned: a failure leaves the running batch intact;
         # a recurrent layer's states have no time axis: rows are only stacked
-        merged = [(torch.cat([pad(layer.keys, t_old, 2), pad(kv[0], t_new, 2)], 0),
-                   torch.cat([pad(layer.values, t_old, 2), pad(kv[1], t_new, 2)], 0))
-                  if kv is not None else _stacked_states(layer, new)
-                  for layer, new, kv in zip(self.cache.layers, cache.layers, new_layers,
-                                            strict=True)]
-        merged_mask = torch.cat([pad(self.mask, t_old, 1), pad(mask, t_new, 1)], 0)
-        for layer, m in zip(self.cache.layers, merged, strict=True):
-            if _is_recurrent(layer):
-                layer.conv_states, layer.recurrent_states = m
+        merged = [_stacked_states([(c.layers[li], idx) for c, idx, _, _ in srcs])
+                  if _is_recurrent(layer) else
+                  _slab_of([(c.layers[li], idx, w) for c, idx, _, w in srcs], width, cap)
+                  for li, layer in enumerate(base.layers)]
+        pad = torch.cat([p + (width - w) for _, _, p, w in srcs])
+        for li, m in enumerate(merged):
+            if isinstance(m, tuple):
+                base.layers[li].conv_states, base.layers[li].recurrent_states = m
             else:
-                layer.keys, layer.values = m
-        self.mask = merged_mask
-        self.batch.extend(seqs)
+                base.layers[li] = m
+        self.batch, self.cache = seqs, base
+        self._set_pad(pad, width)
         self.max_running = max(self.max_running, len(self.batch))
 
+    def _headroom(self, seqs: list[Seq]) -> int:
+        """Spare slab columns: what the longest-running row may still decode, at most
+        SLAB_SPARE (a slab that runs out grows)."""
+        need = max(min(s.sampling.max_new_tokens, self.context_length - len(s.prompt))
+                   - len(s.out) for s in seqs)
+        return max(1, min(need, SLAB_SPARE))
+
     def _retire(self) -> None:
-        """Drop finished rows and the left columns no remaining row uses."""
+        """Drop finished rows and the left columns no remaining row uses (a copy of the
+        cache when rows leave; a step where none does copies nothing)."""
         keep = [i for i, s in enumerate(self.batch) if s.finish is None]
         if len(keep) == len(self.batch):
             return
         self.batch = [self.batch[i] for i in keep]
         if not self.batch:
-            self.cache, self.mask = None, None
+            self._drop_kv()
             return
         idx = torch.tensor(keep)
-        mask = self.mask[idx]
-        start = int((mask.sum(0) > 0).nonzero()[0])
-        self.mask = mask[:, start:]
+        pad = self.pad[idx]
+        start = int(pad.min())
         for layer in self.cache.layers:
             if _is_recurrent(layer):
                 _map_states(layer, lambda x: x[idx])
-                continue
-            layer.keys = layer.keys[idx, :, start:]
-            layer.values = layer.values[idx, :, start:]
+            else:
+                layer.select(idx, start)
+        self._set_pad(pad - start, self.width - start)
+
+    def _set_pad(self, pad: torch.Tensor, width: int) -> None:
+        self.pad, self.width, self.padded = pad, width, bool(pad.any())
+        self.step_bias = None
+
+    def _drop_kv(self) -> None:
+        self.cache, self.pad, self.width, self.padded, self.step_bias = None, None, 0, False, None
 
     def _finish(self, s: Seq, reason: dict[str, Any]) -> None:
         s.finish = reason
@@ -755,7 +863,8 @@ class EmbeddedCore:
         elif mode == "retract":
             # back to the queue; on continue each is prefilled again from prompt + output
             self.pending.extendleft(reversed(self.batch))
-            self.batch, self.cache, self.mask = [], None, None
+            self.batch = []
+            self._drop_kv()
         elif mode != "in_place":
             raise BadRequest(f"mode: expected 'abort', 'retract' or 'in_place', got {show(mode)}")
         self.paused = True
@@ -802,6 +911,33 @@ class EmbeddedCore:
         self.set_version(version)
         self.control_log.append(("load_weights", tuple(sorted(self.released_tags))))
 
+    def share_weights(self) -> dict[str, Any]:
+        """Move the parameters into shared memory (once) and return its layout, so a trainer on
+        this machine writes updates straight into them (engines/shared_weights.py)."""
+        if self.shared is None:
+            self.shared = SharedWeightStore(self.model, self.weights.map)
+        return self.shared.layout()
+
+    def begin_weight_write(self) -> str:
+        """Hold every step until `commit_weight_write`: requests stay in flight, none decodes
+        with half-written weights. Returns the segment's name (a writer holding another one
+        maps a segment of an engine that has since restarted)."""
+        if self.shared is None:
+            raise BadRequest("weights are not shared: POST /shared_weights first")
+        if "weights" in self.released_tags:
+            raise BadRequest("weights are released: resume them first "
+                             "(/resume_memory_occupation with tags ['weights'])", 503)
+        self.writing = True
+
+    def commit_weight_write(self, version: Any) -> None:
+        if not self.writing:
+            raise BadRequest("no shared-weights write is open: POST /shared_weights/begin first")
+        if version is not None:
+            self._check_version(version)
+        self.set_version(version)
+        self.writing = False
+        self.control_log.append(("load_weights", tuple(sorted(self.released_tags))))
+
     def release(self, tags: Any = None) -> None:
         regions = memory_tags(tags)
         if self.batch and "kv_cache" in regions | self.released_tags:
@@ -820,6 +956,7 @@ class EmbeddedCore:
 
     def info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "paused": self.paused,
+                "writing_shared_weights": self.writing,
                 "released": self.released, "released_tags": sorted(self.released_tags),
                 "weight_bytes": self.weight_bytes(), "max_batch_size": self.max_batch_size,
                 "running": {s.rid: len(s.out) for s in self.batch},
@@ -841,8 +978,147 @@ def _map_states(layer: Any, fn: Any) -> None:
                 states[i] = fn(x)
 
 
-def _stacked_states(old: Any, new: Any) -> tuple[dict, dict]:
-    """The running rows' states followed by the new rows' (batch axis first)."""
-    return tuple({i: torch.cat([a[i], b[i]], 0) if a[i] is not None else b[i] for i in a}
-                 for a, b in ((old.conv_states, new.conv_states),
-                              (old.recurrent_states, new.recurrent_states)))
+def _stacked_states(parts: list[tuple[Any, torch.Tensor | None]]) -> tuple[dict, dict]:
+    """Recurrent layers' states with the rows of every part stacked (batch axis first); a part
+    is (layer, its rows to take or None for all)."""
+    def rows(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+        return x if idx is None else x[idx]
+
+    first = parts[0][0]
+    return tuple({i: torch.cat([rows(getattr(layer, kind)[i], idx) for layer, idx in parts], 0)
+                  if v is not None else None for i, v in getattr(first, kind).items()}
+                 for kind in ("conv_states", "recurrent_states"))
+
+
+def _slab_of(parts: list[tuple[Any, torch.Tensor | None, int]], width: int, cap: int) -> Any:
+    """A SlabLayer of `cap` columns holding every part's rows right-aligned at `width`; a part
+    is (attention cache layer, its rows to take or None for all, its width)."""
+    rows = sum(len(layer.keys) if idx is None else len(idx) for layer, idx, _ in parts)
+    k0, v0 = parts[0][0].keys, parts[0][0].values
+    keys = k0.new_empty(rows, k0.shape[1], cap, k0.shape[3])
+    values = v0.new_empty(rows, v0.shape[1], cap, v0.shape[3])
+    r = 0
+    for layer, idx, w in parts:
+        k, v = (layer.keys, layer.values) if idx is None else (layer.keys[idx], layer.values[idx])
+        n, shift = len(k), width - w
+        # columns left of a shorter part: masked, never attended, but must be finite (0 * NaN)
+        keys[r:r + n, :, :shift].zero_()
+        values[r:r + n, :, :shift].zero_()
+        keys[r:r + n, :, shift:width] = k[:, :, :w]
+        values[r:r + n, :, shift:width] = v[:, :, :w]
+        r += n
+    return _slab_layer()(keys, values, width)
+
+
+@functools.cache
+def _slab_layer() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    class SlabLayer(DynamicLayer):
+        """A full-attention layer's KV cache in buffers with spare columns: a step writes its
+        keys and values in place and attention reads a view of the columns used (transformers'
+        DynamicLayer concatenates: a copy of the whole cache at every step)."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+            super().__init__()
+            self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+            self.kbuf, self.vbuf = keys, values
+            self._view(length)
+
+        def _view(self, n: int) -> None:
+            self.keys, self.values = self.kbuf[:, :, :n], self.vbuf[:, :, :n]
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            t, n = self.keys.shape[-2], key_states.shape[-2]
+            if t + n > self.kbuf.shape[-2]:  # out of spare columns: about twice the room
+                self.kbuf, self.vbuf = (_grown(x, t, t + n + max(t, SLAB_SPARE))
+                                        for x in (self.kbuf, self.vbuf))
+            self.kbuf[:, :, t:t + n] = key_states
+            self.vbuf[:, :, t:t + n] = value_states
+            self._view(t + n)
+            return self.keys, self.values
+
+        def select(self, rows: torch.Tensor, start: int) -> None:
+            """Keep `rows`, from column `start` on (a copy, spare columns included)."""
+            n = self.keys.shape[-2] - start
+            self.kbuf, self.vbuf = self.kbuf[rows, :, start:], self.vbuf[rows, :, start:]
+            self._view(n)
+
+    return SlabLayer
+
+
+def _grown(x: torch.Tensor, used: int, cap: int) -> torch.Tensor:
+    out = x.new_empty(*x.shape[:2], cap, x.shape[3])
+    out[:, :, :used] = x[:, :, :used]
+    return out
+
+
+def pad_bias(pad: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, 1, 1, cols] additive attention mask: the dtype's minimum on each row's first
+    `pad` columns, 0 elsewhere. Not -inf: a query row that sees only padding must still give
+    finite values (a left-padded prefill's pad rows), or NaNs reach the cache."""
+    cut = (torch.arange(cols) < pad[:, None])[:, None, None, :]
+    return torch.zeros(len(pad), 1, 1, cols, dtype=dtype).masked_fill_(cut, torch.finfo(dtype).min)
+
+
+def prefill_buckets(lengths: list[int], call_tokens: int) -> list[list[int]]:
+    """Rows (indices into `lengths`) grouped into prefill passes, by length: the grouping that
+    minimises the sum over passes of `call_tokens + rows * width` (padding included), so a cut
+    is made where the padding it saves outweighs one more forward pass, costed as `call_tokens`
+    tokens. Dynamic programming over the sorted lengths; ties keep fewer passes."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        width = lengths[order[j - 1]]
+        for i in range(j):
+            cost = best[i] + call_tokens + (j - i) * width
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def attention_mode(model: torch.nn.Module) -> str:
+    """How the engine tells the model's attention which cache columns are padding.
+
+    "bias": transformers' sdpa takes an additive `position_bias` (meant for relative position
+    biases) and still runs torch's grouped-query kernel; with an `attention_mask` instead it
+    first repeats the KV heads (a copy of the whole cache per layer per step) and builds the
+    mask per step. Attention-only models: a recurrent layer's kernels would be passed the
+    bias too. "mask4d": decode steps pass the same bias as a prepared 4D mask (transformers
+    uses it as is: nothing built per step); prefill passes a 2D mask, which Gated DeltaNet
+    layers need to zero their padding. "mask2d": other attention kernels (flash attention)."""
+    from transformers import DynamicCache
+
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        return "mask2d"
+    recurrent = any(_is_recurrent(layer) for layer in DynamicCache(config=model.config).layers)
+    return "bias" if impl == "sdpa" and not recurrent and _sdpa_takes_bias() else "mask4d"
+
+
+def keeps_no_state(model: torch.nn.Module) -> bool:
+    """The model's forward writes no module state: dynamic and long RoPE re-register their
+    frequencies as the positions grow, which inference mode would leave as inference tensors
+    (unusable by autograd afterwards)."""
+    for m in model.modules():
+        kinds = getattr(m, "rope_type", None)
+        for kind in kinds.values() if isinstance(kinds, dict) else [kinds]:
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+                return False
+    return True
+
+
+def _sdpa_takes_bias() -> bool:
+    try:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return (ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+                and "position_bias" in inspect.signature(sdpa_attention_forward).parameters)
+    except Exception:  # another transformers: the generic path
+        return False

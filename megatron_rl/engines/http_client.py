@@ -270,6 +270,26 @@ class HttpEngine:
         if weight_version is not None:
             self._weight_version = weight_version
 
+    async def shared_weights(self) -> dict[str, Any] | None:
+        """The layout of the engine's parameters in shared memory (the embedded engine moves
+        them there on this call); None for an engine without the route (SGLang)."""
+        try:
+            return await self.request("POST", "/shared_weights")
+        except EngineError as e:
+            if e.status in (404, 405):
+                return None
+            raise
+
+    async def begin_shared_write(self) -> str:
+        """Hold the engine's steps for a write; returns its segment's name."""
+        reply = await self.request("POST", "/shared_weights/begin")
+        return str(reply.get("segment")) if isinstance(reply, dict) else ""
+
+    async def commit_shared_write(self, weight_version: int) -> None:
+        await self.request("POST", "/shared_weights/commit",
+                           {"weight_version": str(weight_version)})
+        self._weight_version = weight_version
+
     async def update_weights_from_disk(self, path: str, weight_version: int,
                                        load_format: str | None = None) -> None:
         body: dict[str, Any] = {"model_path": str(path), "weight_version": str(weight_version),

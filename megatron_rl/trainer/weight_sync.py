@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_rl.checkpoint.weight_map import Entry, WeightMap
 from megatron_rl.engines.http_client import HttpEngine
+from megatron_rl.engines.shared_weights import SharedWeightWriter
 from megatron_rl.engines.tensors import buckets_with_last, split_buckets
 from megatron_rl.models.registry import ModelSpec
 
@@ -135,13 +136,34 @@ class WeightGatherer:
     def _shape(self, key: str, shape: torch.Size) -> tuple[int, ...]:
         return (self.padded_vocab, *shape[1:]) if key in VOCAB_KEYS else tuple(shape)
 
+    def _whole(self, parts: list, index: tuple[int, ...]) -> list[torch.Tensor] | None:
+        """This rank's parameters for `parts` when it holds each one whole (no reduction
+        needed): the live tensors themselves, no copy. None otherwise."""
+        out = []
+        for key, _, shape in parts:
+            whole = _one_view(self.local.get((key, index), ()), tuple(shape), self.resolve)
+            if whole is None:
+                return None
+            out.append(whole)
+        return out
+
     @torch.no_grad()
     def hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every rank must exhaust this iterator (it runs one reduction per layer); only rank 0
-        yields (HF name, full tensor) pairs."""
+        yields (HF name, full tensor) pairs. On one rank the tensors can be views of the live
+        parameters (nothing is copied before the consumer's own copy): copy what you keep."""
         self.stats = SyncStats()
         for slots, total in self.layout:
             t0 = time.perf_counter()
+            whole = ([self._whole(parts, index) for _, index, parts in slots]
+                     if self.world == 1 else [None])
+            if all(w is not None for w in whole):
+                t1 = time.perf_counter()
+                self.stats.gather_s += t1 - t0
+                for (entry, index, parts), tensors in zip(slots, whole, strict=True):
+                    yield from self._converted(entry, index, parts, tensors, dtype, t1)
+                    t1 = time.perf_counter()
+                continue
             flat = torch.zeros(total, dtype=self.buffer_dtype, device=self.device)
             for _, index, parts in slots:
                 for key, offset, shape in parts:
@@ -158,18 +180,46 @@ class WeightGatherer:
             if self.rank != 0:
                 continue
             for entry, index, parts in slots:
-                tensors = []
-                for key, offset, shape in parts:
-                    t = flat[offset:offset + torch.Size(shape).numel()].view(shape)
-                    tensors.append(t[: self.spec.vocab_size] if key in VOCAB_KEYS else t)
-                for name, t in self.wmap.to_hf(entry, index, tensors).items():
-                    t = t.to(dtype) if dtype is not None else t
-                    self.stats.tensors += 1
-                    self.stats.bytes += t.numel() * t.element_size()
-                    t2 = time.perf_counter()
-                    self.stats.convert_s += t2 - t1
-                    yield name, t
-                    t1 = time.perf_counter()
+                tensors = [flat[offset:offset + torch.Size(shape).numel()].view(shape)
+                           for _, offset, shape in parts]
+                yield from self._converted(entry, index, parts, tensors, dtype, t1)
+                t1 = time.perf_counter()
+
+    def _converted(self, entry: Entry, index: tuple[int, ...], parts: list,
+                   tensors: list[torch.Tensor], dtype: torch.dtype | None, t1: float
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One unit's Megatron tensors → HF (name, tensor) pairs, timing the conversion (the
+        time the consumer spends between two pairs is not ours)."""
+        tensors = [t[: self.spec.vocab_size] if key in VOCAB_KEYS else t
+                   for (key, _, _), t in zip(parts, tensors, strict=True)]
+        for name, t in self.wmap.to_hf(entry, index, tensors).items():
+            t = t.to(dtype) if dtype is not None else t
+            self.stats.tensors += 1
+            self.stats.bytes += t.numel() * t.element_size()
+            self.stats.convert_s += time.perf_counter() - t1
+            yield name, t
+            t1 = time.perf_counter()
+
+
+def _one_view(chunks: Sequence[tuple[torch.Tensor, tuple, tuple]], shape: tuple[int, ...],
+              resolve: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """The chunks of one tensor as one view when they tile `shape` along dim 0 back to back in
+    memory (a parameter megatron describes in pieces, e.g. the fused fc1's gate and up
+    halves); None when they do not (another rank owns some, or they live apart)."""
+    if not chunks:
+        return None
+    chunks = sorted(((resolve(d).detach(), o, n) for d, o, n in chunks), key=lambda c: c[1])
+    first, rows, elems = chunks[0][0], 0, 0
+    for data, offsets, sizes in chunks:
+        if (not data.is_contiguous() or offsets[0] != rows or any(offsets[1:])
+                or tuple(sizes[1:]) != shape[1:] or data.dtype != first.dtype
+                or data.data_ptr() != first.data_ptr() + elems * first.element_size()):
+            return None
+        rows, elems = rows + sizes[0], elems + data.numel()
+    if rows != shape[0]:
+        return None
+    return first.as_strided(shape, torch.empty(shape, device="meta").stride(),
+                            first.storage_offset())
 
 
 def gatherer_for(actor: Any) -> WeightGatherer:
@@ -189,9 +239,11 @@ class WeightSyncer:
                  transport: str = "tensor", bucket_bytes: int = 512 << 20,
                  dtype: torch.dtype | None = None, disk_dir: str | None = None,
                  master_address: str = "127.0.0.1", timeout_s: float = 600.0,
-                 fp8: bool = False):
+                 fp8: bool = False, one_copy: bool = True):
         """`fp8`: send the projections as blockwise FP8 + `weight_scale_inv` (an engine that
-        serves an FP8 checkpoint, docs/fp8.md); each weight and its scale share a bucket."""
+        serves an FP8 checkpoint, docs/fp8.md); each weight and its scale share a bucket.
+        `one_copy`: with the tensor transport, write straight into the parameters of engines
+        that share them on this machine (engines/shared_weights.py)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
         if not urls:
@@ -199,6 +251,8 @@ class WeightSyncer:
         self.gatherer, self.transport, self.bucket_bytes = gatherer, transport, bucket_bytes
         self.dtype, self.disk_dir, self.fp8 = dtype, disk_dir, fp8
         self.master_address, self.timeout_s = master_address, timeout_s
+        self.one_copy = one_copy
+        self._writers: list[SharedWeightWriter] | None = None
         self.engines: list[HttpEngine] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         if gatherer.rank == 0:
@@ -218,7 +272,10 @@ class WeightSyncer:
             return self.gatherer.stats
         sent = [0]
         quantize = _counted(sent, self.fp8)
-        if self.transport == "tensor":
+        writers = self._shared_writers() if self.transport == "tensor" else None
+        if writers:
+            self.loop.run_until_complete(self._write_shared(writers, tensors, weight_version))
+        elif self.transport == "tensor":
             self.loop.run_until_complete(_push_tensors(self.engines, tensors, weight_version,
                                                        self.bucket_bytes, quantize))
         elif self.transport == "disk":
@@ -235,7 +292,62 @@ class WeightSyncer:
         stats.transfer_s = time.perf_counter() - t_start - stats.gather_s - stats.convert_s
         return stats
 
+    def _shared_writers(self) -> list[SharedWeightWriter] | None:
+        """One writer per engine when every engine shares its parameters with this machine
+        (the embedded engine on loopback), else None: the bucketed path. Asked once."""
+        if self._writers is None:
+            usable = (self.one_copy and not self.fp8
+                      and all(_same_machine(e.url) for e in self.engines))
+            self._writers = (self.loop.run_until_complete(self._map_segments()) or []
+                             if usable else [])
+        return self._writers or None
+
+    async def _map_segments(self) -> list[SharedWeightWriter] | None:
+        layouts = await asyncio.gather(*(e.shared_weights() for e in self.engines))
+        if any(layout is None for layout in layouts):
+            return None
+        self._close_writers()
+        try:
+            return [SharedWeightWriter(layout) for layout in layouts]
+        except FileNotFoundError:  # loopback into another network namespace or container
+            return None
+
+    def _close_writers(self) -> None:
+        for w in self._writers or ():
+            w.close()
+        self._writers = []
+
+    async def _write_shared(self, writers: list[SharedWeightWriter], tensors: Iterator,
+                            version: int) -> None:
+        """Pause → write every tensor into each engine's own parameters → commit the
+        version. Names an engine does not share (scattered elements) go by its tensor route
+        inside the same window."""
+        segments = await asyncio.gather(*(e.begin_shared_write() for e in self.engines))
+        if any(s != w.name for s, w in zip(segments, writers, strict=True)):
+            writers = self._writers = await self._map_segments()  # an engine restarted
+            if not writers:
+                raise RuntimeError("an engine stopped sharing its weights mid-run")
+        rest: list[Bucket] = [[] for _ in self.engines]
+        write_s = 0.0
+        for name, t in tensors:
+            t1 = time.perf_counter()
+            for w, left in zip(writers, rest, strict=True):
+                dst = w.target(name)
+                if dst is not None and dst.shape == t.shape:
+                    dst.copy_(t)
+                else:  # t may be a view of a live parameter: the bucket keeps a copy
+                    left.append((name, t.clone()))
+            write_s += time.perf_counter() - t1
+        await asyncio.gather(*(e.update_weights_from_tensors(left, None)
+                               for e, left in zip(self.engines, rest, strict=True) if left))
+        t2 = time.perf_counter()
+        await asyncio.gather(*(e.commit_shared_write(version) for e in self.engines))
+        self.gatherer.stats.extra.update(
+            write_s=write_s, flip_s=time.perf_counter() - t2,
+            unshared=sum(len(left) for left in rest))
+
     def close(self) -> None:
+        self._close_writers()
         if self.loop is not None:
             self.loop.run_until_complete(_close_all(self.engines))
             self.loop.close()

@@ -1,0 +1,148 @@
+"""One-copy weight sync into the embedded engine's shared parameters (engines/shared_weights.py):
+the trainer writes HF-layout tensors straight into the engine's weights between two decode steps,
+and no token is ever produced by a half-written set of weights.
+
+The trainer side here is its output only (HF-named tensors, as `WeightGatherer.hf_tensors`
+yields them); tests/test_weight_sync.py runs the same path from real Megatron ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+
+import pytest
+import torch
+
+from megatron_rl.engines.base import GenerateRequest
+from megatron_rl.engines.embedded import EmbeddedServer
+from megatron_rl.engines.http_client import HttpEngine
+from megatron_rl.engines.shared_weights import LAYOUT_FORMAT, SharedWeightWriter
+from megatron_rl.trainer.weight_sync import SyncStats, WeightSyncer
+from tests.test_engine_embedded import (
+    PROMPTS,
+    TOL,
+    checkpoint_tensors,
+    full_logprobs,
+    greedy,
+    hf_greedy,
+    max_diff,
+    perturbed,
+    tiny_model,
+)
+
+
+class HFGatherer:
+    """What the trainer's gatherer yields: (HF name, tensor) pairs; swap `named` to move."""
+
+    rank = 0
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]):
+        self.named, self.stats = named, SyncStats()
+
+    def hf_tensors(self, dtype=None):
+        self.stats = SyncStats()
+        for name, t in self.named:
+            self.stats.tensors += 1
+            self.stats.bytes += t.numel() * t.element_size()
+            yield name, t
+
+
+@pytest.fixture(scope="module")
+def models():
+    base = tiny_model()
+    return base, perturbed(base)
+
+
+def test_one_copy_sync_writes_the_engines_parameters_in_place(models, tmp_path) -> None:
+    base, new = models
+    named = checkpoint_tensors(new, tmp_path / "new")
+    with EmbeddedServer(copy.deepcopy(base)).start() as srv:
+        with WeightSyncer(HFGatherer(named), [srv.url], transport="tensor") as syncer:
+            stats = syncer.sync(3)
+            segment = syncer._writers[0].name
+        layout = srv.core.share_weights()
+        base_ptr = torch.frombuffer(srv.core.shared.segment.buf, dtype=torch.uint8).data_ptr()
+        ptrs = [p.data_ptr() for p in srv.core.model.parameters()]
+
+        async def probe():
+            async with HttpEngine(srv.url) as eng:
+                return await eng.generate(GenerateRequest("p", PROMPTS[0], greedy(12)))
+
+        out = asyncio.run(probe())
+    assert layout["name"] == segment and layout["format"] == LAYOUT_FORMAT
+    assert set(n for n, _ in named) <= set(layout["tensors"])  # every name written in place
+    assert stats.extra["unshared"] == 0 and stats.tensors == len(named)
+    # the engine decodes from the segment: its parameters are views of shared memory
+    assert all(base_ptr <= p < base_ptr + layout["nbytes"] for p in ptrs)
+    assert out.weight_versions == [3] * 12
+    assert out.output_ids == hf_greedy(new, PROMPTS[0], 12)
+    assert max_diff(out.output_logprobs, full_logprobs(new, PROMPTS[0], out.output_ids)) < TOL
+
+
+def test_no_token_decodes_with_half_written_weights(models, tmp_path) -> None:
+    """Requests decode while the trainer syncs 8 times, alternating two weight sets. Every
+    token carries a version; tokens before a request's first switch (its KV cache built by one
+    set only) must equal that set's full forward: a step that ran during a write would match
+    neither set."""
+    base, new = models
+    sets = {0: base, 1: new}
+    named = {i: checkpoint_tensors(m, tmp_path / str(i)) for i, m in sets.items()}
+    gatherer = HFGatherer(named[0])
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(12)]
+    done = threading.Event()
+
+    def trainer(url: str) -> None:
+        with WeightSyncer(gatherer, [url], transport="tensor") as syncer:
+            for version in range(1, 9):
+                gatherer.named = named[version % 2]
+                syncer.sync(version)
+                done.wait(0.15)  # let batches decode between syncs
+
+    with EmbeddedServer(copy.deepcopy(base), max_batch_size=6).start() as srv:
+        async def scenario():
+            async with HttpEngine(srv.url) as eng:
+                sync = asyncio.create_task(asyncio.to_thread(trainer, srv.url))
+                outs = []
+                while not sync.done() or not outs:
+                    outs += await asyncio.gather(*(
+                        eng.generate(GenerateRequest(f"r{len(outs)}-{i}", p, greedy(24)))
+                        for i, p in enumerate(prompts[:6])))
+                await sync
+                return outs
+
+        outs = asyncio.run(scenario())
+    spanning = checked = 0
+    for out, prompt in zip(outs, prompts * len(outs), strict=False):
+        versions = out.weight_versions
+        assert versions == sorted(versions)  # a version never goes back within a request
+        first = [v == versions[0] for v in versions].index(False) if len(set(versions)) > 1 \
+            else len(versions)
+        spanning += first < len(versions)
+        ref = full_logprobs(sets[versions[0] % 2], prompt, out.output_ids)
+        assert max_diff(out.output_logprobs[:first], ref[:first]) < TOL, versions
+        checked += first
+    assert max(v for out in outs for v in out.weight_versions) == 8
+    assert spanning >= 1 and checked > 100  # in-flight requests crossed syncs
+
+
+def test_a_hostile_layout_is_refused_naming_the_field(tmp_path) -> None:
+    model = tiny_model()
+    with EmbeddedServer(copy.deepcopy(model)).start() as srv:
+        good = srv.core.share_weights()
+        some = next(iter(good["tensors"]))
+        bad = {
+            "name": {**good, "name": "../../etc/passwd"},
+            "nbytes": {**good, "nbytes": good["nbytes"] * 4},
+            "offset": {**good, "tensors": {some: {**good["tensors"][some],
+                                                  "offset": good["nbytes"]}}},
+            "dtype": {**good, "tensors": {some: {**good["tensors"][some], "dtype": "int64"}}},
+            "format": {**good, "format": "pickle"},
+        }
+        for field, layout in bad.items():
+            with pytest.raises(ValueError, match=field if field != "nbytes" else "smaller"):
+                SharedWeightWriter(layout)
+        writer = SharedWeightWriter(good)
+        assert writer.target(some).shape == torch.Size(good["tensors"][some]["shape"])
+        writer.close()
