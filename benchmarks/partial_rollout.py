@@ -192,26 +192,29 @@ class EngineMeter:
     def __init__(self, core: Any):
         for name in self.FIELDS:
             setattr(self, name, 0)
-        sample, forward = core._sample, core._forward
+        sample, forward, prefill_rows = core._sample, core._forward, core._prefill_rows
 
         def counted(seqs: list[Any], logits: Any) -> None:
             self.n += len(seqs)
             self.passes += 1
             sample(seqs, logits)
 
-        def timed(ids: Any, mask: Any, pos: Any, cache: Any, routed: bool) -> Any:
-            prefill = cache.get_seq_length() == 0  # `_admit` passes a fresh cache
+        def timed(ids: Any, mask: Any, pos: Any, cache: Any, *rest: Any) -> Any:
+            prefill = cache.get_seq_length() == 0  # a prefill pass gets a fresh cache
             t0 = time.perf_counter()
-            out = forward(ids, mask, pos, cache, routed)
+            out = forward(ids, mask, pos, cache, *rest)
             if prefill:
                 self.prefill_s += time.perf_counter() - t0
-                self.prefill_slots += ids.numel()            # rows x the longest context
-                self.prefill_tokens += int(mask.sum())
             else:
                 self.decode_s += time.perf_counter() - t0
             return out
 
-        core._sample, core._forward = counted, timed
+        def prefilled(seqs: list[Any], toks: list[list[int]]) -> Any:
+            self.prefill_slots += len(toks) * max(len(t) for t in toks)  # rows x longest
+            self.prefill_tokens += sum(len(t) for t in toks)
+            return prefill_rows(seqs, toks)
+
+        core._sample, core._forward, core._prefill_rows = counted, timed, prefilled
 
     def snapshot(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in self.FIELDS}

@@ -60,8 +60,11 @@ def test_one_copy_sync_writes_the_engines_parameters_in_place(models, tmp_path) 
     named = checkpoint_tensors(new, tmp_path / "new")
     with EmbeddedServer(copy.deepcopy(base)).start() as srv:
         with WeightSyncer(HFGatherer(named), [srv.url], transport="tensor") as syncer:
+            syncer.sync(2)
+            writer = syncer._writers[0]
             stats = syncer.sync(3)
-            segment = syncer._writers[0].name
+            assert syncer._writers[0] is writer  # mapped once: later syncs write warm pages
+            segment = writer.name
         layout = srv.core.share_weights()
         base_ptr = torch.frombuffer(srv.core.shared.segment.buf, dtype=torch.uint8).data_ptr()
         ptrs = [p.data_ptr() for p in srv.core.model.parameters()]

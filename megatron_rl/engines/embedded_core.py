@@ -928,6 +928,7 @@ class EmbeddedCore:
             raise BadRequest("weights are released: resume them first "
                              "(/resume_memory_occupation with tags ['weights'])", 503)
         self.writing = True
+        return self.shared.segment.name
 
     def commit_weight_write(self, version: Any) -> None:
         if not self.writing:
