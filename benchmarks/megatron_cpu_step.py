@@ -2,7 +2,9 @@
 
 The plain-PyTorch side is transformers' eager implementation of the same architecture, built
 from the same registry entry (identical parameter count), trained with torch AdamW on the same
-batch. It runs first, before the Megatron CPU shims touch torch. Prints both and their ratio.
+batch; it is built first, before the Megatron CPU shims touch torch. The two steps alternate
+(median of `--steps` each), so load from other processes hits both alike. Prints both and
+their ratio.
 
     python benchmarks/megatron_cpu_step.py [--model tiny-moe] [--batch 8] [--seq 256]
         [--vocab N] [--chunk-tokens N] [--profile]
@@ -35,20 +37,8 @@ PROFILE = False
 CHUNK = 4096
 
 
-def _time_steps(step, warmup: int, steps: int, title: str = "") -> list[float]:
-    for _ in range(warmup):
-        step()
-    if PROFILE:
-        _profile(step, title)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def plain_pytorch(spec, tokens: torch.Tensor, warmup: int, steps: int) -> tuple[float, int]:
+def plain_pytorch(spec, tokens: torch.Tensor):
+    """(one train step, parameter count) of transformers' eager model with torch AdamW."""
     import transformers
 
     torch.manual_seed(0)
@@ -62,11 +52,11 @@ def plain_pytorch(spec, tokens: torch.Tensor, warmup: int, steps: int) -> tuple[
         out.loss.backward()
         opt.step()
 
-    times = _time_steps(step, warmup, steps, "plain PyTorch")
-    return statistics.median(times), sum(p.numel() for p in model.parameters())
+    return step, sum(p.numel() for p in model.parameters())
 
 
-def megatron(spec, tokens: torch.Tensor, warmup: int, steps: int) -> tuple[float, int]:
+def megatron(spec, tokens: torch.Tensor):
+    """(one train step, parameter count) of the Megatron actor (local spec, CPU shims)."""
     from megatron_rl.config.loader import load_config
     from megatron_rl.distributed.process_groups import init_distributed
     from megatron_rl.records.batch import TokenBatch
@@ -80,8 +70,25 @@ def megatron(spec, tokens: torch.Tensor, warmup: int, steps: int) -> tuple[float
                              "optim.lr=1e-3", f"train.logprob_chunk_tokens={CHUNK}"])
     actor = MegatronActor(cfg, spec)
     batch = TokenBatch.from_sequences(tokens)
-    times = _time_steps(lambda: actor.train_step(batch, lm_loss), warmup, steps, "Megatron")
-    return statistics.median(times), sum(p.numel() for p in actor.parameters().values())
+    return (lambda: actor.train_step(batch, lm_loss),
+            sum(p.numel() for p in actor.parameters().values()))
+
+
+def interleaved(steps: dict, warmup: int, n: int) -> dict[str, float]:
+    """Median seconds per step of each, the steps alternating so that whatever else loads the
+    machine meanwhile hits both alike."""
+    for name, step in steps.items():
+        for _ in range(warmup):
+            step()
+        if PROFILE:
+            _profile(step, name)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(n):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -90,7 +97,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=0, help="override the entry's vocabulary")
     p.add_argument("--chunk-tokens", type=int, default=4096,
@@ -112,8 +119,11 @@ def main() -> None:
     tokens = torch.randint(0, spec.vocab_size, (args.batch, args.seq + 1), generator=g)
     n_tokens = args.batch * args.seq
 
-    t_plain, n_plain = plain_pytorch(spec, tokens, args.warmup, args.steps)
-    t_mcore, n_mcore = megatron(spec, tokens, args.warmup, args.steps)
+    plain_step, n_plain = plain_pytorch(spec, tokens)  # built before the shims touch torch
+    mcore_step, n_mcore = megatron(spec, tokens)
+    t = interleaved({"plain PyTorch": plain_step, "Megatron": mcore_step}, args.warmup,
+                    args.steps)
+    t_plain, t_mcore = t["plain PyTorch"], t["Megatron"]
     plain_tps, mcore_tps = n_tokens / t_plain, n_tokens / t_mcore
     print(f"model {args.model}: {n_mcore:,} params (plain PyTorch: {n_plain:,}); "
           f"batch {args.batch}x{args.seq}, fp32, {args.threads} threads, median of {args.steps}")

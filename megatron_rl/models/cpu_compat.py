@@ -324,6 +324,40 @@ def _probe_identitysort() -> bool:
     return td.sort_chunks_by_idxs(x, torch.tensor([1, 1]), torch.arange(2))[0] is not x
 
 
+# -- rope: megatron's unfused RoPE recomputes cos and sin of the same frequencies for q and k of
+# every layer and copies the result once more (a cat with the empty unrotated part). TE fuses
+# it on GPU; here cos/sin are taken once per forward (the frequencies are one tensor) and the
+# copy is skipped when every channel rotates. Same ops on the same values otherwise.
+def _apply_rope() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    orig = rope_utils._apply_rotary_pos_emb_bshd
+    last: list = [None, None, None]  # (frequencies, version, dtype), cos, sin
+
+    def rope(t, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
+             multi_latent_attention=None):
+        if (mla_rotary_interleaved or multi_latent_attention or mscale != 1.0
+                or freqs.shape[-1] != t.shape[-1] or freqs.requires_grad):
+            return orig(t, freqs, rotary_interleaved, mla_rotary_interleaved, mscale,
+                        multi_latent_attention)
+        held = last[0]
+        if held is None or held[0] is not freqs or held[1:] != (freqs._version, t.dtype):
+            last[:] = [(freqs, freqs._version, t.dtype), torch.cos(freqs).to(t.dtype),
+                       torch.sin(freqs).to(t.dtype)]
+        cos_, sin_ = last[1], last[2]
+        return t * cos_ + rope_utils._rotate_half(t, rotary_interleaved) * sin_
+
+    rope_utils._apply_rotary_pos_emb_bshd = rope
+
+
+def _probe_rope() -> bool:
+    import inspect
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return "torch.cos(freqs)" in inspect.getsource(rope_utils._apply_rotary_pos_emb_bshd)
+
+
 def _probe_gdn() -> bool:
     import importlib
 
@@ -353,6 +387,8 @@ SHIMS: tuple[Shim, ...] = (
          _apply_eager, _probe_eager),
     Shim("identitysort", "MoE dispatcher copies tokens through an identity re-sort",
          _apply_identitysort, _probe_identitysort),
+    Shim("rope", "unfused RoPE takes cos/sin per layer and copies its output once more",
+         _apply_rope, _probe_rope),
 )
 
 

@@ -5,7 +5,9 @@ chunk computes that chunk's logits from the final hidden states, reduces the sof
 across the TP ranks' vocab shards, and keeps only per-token numbers; backward recomputes the
 chunk's logits once and turns them into their gradient in place. (Autograd through the
 elementwise ops, or activation checkpointing, made ~10 full-size passes per chunk and
-allocated a zero tensor per gather: 5x a plain cross-entropy step on CPU.)
+allocated a zero tensor per gather: 5x a plain cross-entropy step on CPU.) A chunk whose logits
+take at most `KEEP_LOGITS_BYTES` keeps them instead: a small vocabulary's matmul costs more
+than holding its result.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 MAX, SUM = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.SUM
+KEEP_LOGITS_BYTES = 64 << 20  # a chunk's logits up to this size are kept, not recomputed
 
 
 def _tp_group():
@@ -43,6 +46,8 @@ class _LinearLogprobs(torch.autograd.Function):
         wv = w[:valid]
         z = _logits(h, wv, temperature)                       # [n, valid]
         n = h.shape[0]
+        # small logits stay for backward (what recomputing them saves is not worth a matmul)
+        kept = z.clone() if z.numel() * z.element_size() <= KEEP_LOGITS_BYTES else None
         shift = z.amax(-1) if valid else z.new_full((n,), float("-inf"))
         _all_reduce(shift, MAX, group, tp)
         z.sub_(shift[:, None])
@@ -59,19 +64,20 @@ class _LinearLogprobs(torch.autograd.Function):
         logp = label_z - log_z
         mean_z = e_z / sum_e                                  # E_p[z - shift]
         ent = log_z - mean_z
-        ctx.save_for_backward(h, w, labels, shift + log_z, shift + mean_z)
+        ctx.save_for_backward(h, w, labels, shift + log_z, shift + mean_z, kept)
         ctx.meta = (vocab_start, valid, temperature)
         ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        h, w, labels, lse, mean_z = ctx.saved_tensors
+        h, w, labels, lse, mean_z, kept = ctx.saved_tensors
         vocab_start, valid, temperature = ctx.meta
         n = h.shape[0]
         g_logp = g_logp if g_logp is not None else h.new_zeros(n, dtype=torch.float32)
         wv = w[:valid]
-        z = _logits(h, wv, temperature)
+        # the same values either way; a kept tensor is copied, never changed in place
+        z = _logits(h, wv, temperature) if kept is None else kept.clone()
         # d logp / dz = onehot - p;  d entropy / dz = -p (z - E_p[z])
         if g_ent is not None and bool(g_ent.any()):
             coef = (z - mean_z[:, None]).mul_(g_ent[:, None]).add_(g_logp[:, None])
@@ -131,7 +137,8 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
              for h, y in zip(torch.split(flat_h, chunk_tokens),
                              torch.split(flat_y, chunk_tokens), strict=True)]
     out = []
-    for x in (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])):
+    for x in ([p[i] for p in parts] for i in (0, 1)):
+        x = x[0] if len(x) == 1 else torch.cat(x)
         if where is not None:
             x = x.new_zeros(labels_sb.numel()).index_put((where,), x)
         out.append(x.view_as(labels_sb).transpose(0, 1))
