@@ -31,7 +31,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "engine_vs_generate": ["--models", "tiny-moe,tiny-qwen3.5"],
     "partial_rollout": ["--steps", "12"],
     "step_overhead": ["--steps", "4"],
-    "conversion": ["--layers", "6"],
+    "conversion": [],
     "search_latency": ["--sizes", "10000,100000,1000000", "--queries", "1000"],
     "degeneracy": [],
 }

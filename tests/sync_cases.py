@@ -37,16 +37,20 @@ def _broadcast(obj):
 
 
 def step_sync_probe(overrides: list[str], init: str, url: str, transport: str,
-                    version: int, disk_dir: str) -> dict:
+                    version: int, disk_dir: str, sync_first: bool = False) -> dict:
     """One optimizer step, then: engine log-probs before the sync, sync, engine log-probs after;
-    the trainer's log-probs of the same tokens. Every rank returns the same dict."""
+    the trainer's log-probs of the same tokens. Every rank returns the same dict.
+    `sync_first`: the same syncer also syncs once before the step (version - 1), so the
+    second sync shows what a run's later syncs send."""
     actor = dist_cases.make_actor(["model.seq_length=24", "train.global_batch_size=2",
                                    *overrides])
     load_checkpoint(actor, init, optimizer=False, rng=False)
-    actor.train_step(dist_cases.fixed_batch(rows=2, seq=24), lm_loss)
-    before = _broadcast(_generate(url) if dist.get_rank() == 0 else None)
     with WeightSyncer(gatherer_for(actor), [url], transport=transport, bucket_bytes=64 << 10,
                       disk_dir=disk_dir) as syncer:
+        if sync_first:
+            syncer.sync(version - 1)
+        actor.train_step(dist_cases.fixed_batch(rows=2, seq=24), lm_loss)
+        before = _broadcast(_generate(url) if dist.get_rank() == 0 else None)
         stats = syncer.sync(version)
     after = _broadcast(_generate(url) if dist.get_rank() == 0 else None)
 

@@ -106,6 +106,7 @@ class WeightGatherer:
         views of the live parameters (an offload keeps their storages, so they stay valid)."""
         from megatron.core.dist_checkpointing.mapping import is_main_replica
 
+        self.direct: list | None = None  # see hf_tensors
         self.local: dict[tuple[str, tuple[int, ...]], list[tuple[torch.Tensor, tuple, tuple]]] = {}
         for module in self.modules:
             for sh in _sharded_tensors(module):
@@ -153,6 +154,18 @@ class WeightGatherer:
         yields (HF name, full tensor) pairs. On one rank the tensors can be views of the live
         parameters (nothing is copied before the consumer's own copy): copy what you keep."""
         self.stats = SyncStats()
+        # an offloaded actor's parameters are read from their host copies, which move
+        live = all(self.resolve(data) is data for chunks in self.local.values()
+                   for data, _, _ in chunks)
+        if self.direct is not None and live:  # the same views as last time: nothing to gather
+            t1 = time.perf_counter()
+            for unit in self.direct:
+                pairs = unit if isinstance(unit, list) else self._converted(*unit, t1)
+                for name, t in pairs:
+                    yield name, self._counted(t, dtype)
+                t1 = time.perf_counter()
+            return
+        direct: list | None = [] if self.world == 1 else None
         for slots, total in self.layout:
             t0 = time.perf_counter()
             whole = ([self._whole(parts, index) for _, index, parts in slots]
@@ -161,9 +174,17 @@ class WeightGatherer:
                 t1 = time.perf_counter()
                 self.stats.gather_s += t1 - t0
                 for (entry, index, parts), tensors in zip(slots, whole, strict=True):
-                    yield from self._converted(entry, index, parts, tensors, dtype, t1)
+                    pairs = []
+                    for name, t in self._converted(entry, index, parts, tensors, t1):
+                        pairs.append((name, t))
+                        yield name, self._counted(t, dtype)
+                    if direct is not None:  # views of the inputs stay; copies are redone
+                        inputs = {x.untyped_storage().data_ptr() for x in tensors}
+                        viewed = all(t.untyped_storage().data_ptr() in inputs for _, t in pairs)
+                        direct.append(pairs if viewed else (entry, index, parts, tensors))
                     t1 = time.perf_counter()
                 continue
+            direct = None
             flat = torch.zeros(total, dtype=self.buffer_dtype, device=self.device)
             for _, index, parts in slots:
                 for key, offset, shape in parts:
@@ -182,23 +203,31 @@ class WeightGatherer:
             for entry, index, parts in slots:
                 tensors = [flat[offset:offset + torch.Size(shape).numel()].view(shape)
                            for _, offset, shape in parts]
-                yield from self._converted(entry, index, parts, tensors, dtype, t1)
+                for name, t in self._converted(entry, index, parts, tensors, t1):
+                    yield name, self._counted(t, dtype)
                 t1 = time.perf_counter()
+        # one rank holding every layer whole: its HF tensors are views of the live parameters,
+        # whose storages outlive the sync (an optimizer step writes them in place; an offload
+        # keeps them), so later syncs hand over the same views
+        if direct is not None and live:
+            self.direct = direct
 
     def _converted(self, entry: Entry, index: tuple[int, ...], parts: list,
-                   tensors: list[torch.Tensor], dtype: torch.dtype | None, t1: float
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+                   tensors: list[torch.Tensor], t1: float) -> Iterator[tuple[str, torch.Tensor]]:
         """One unit's Megatron tensors → HF (name, tensor) pairs, timing the conversion (the
         time the consumer spends between two pairs is not ours)."""
         tensors = [t[: self.spec.vocab_size] if key in VOCAB_KEYS else t
                    for (key, _, _), t in zip(parts, tensors, strict=True)]
         for name, t in self.wmap.to_hf(entry, index, tensors).items():
-            t = t.to(dtype) if dtype is not None else t
-            self.stats.tensors += 1
-            self.stats.bytes += t.numel() * t.element_size()
             self.stats.convert_s += time.perf_counter() - t1
             yield name, t
             t1 = time.perf_counter()
+
+    def _counted(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        t = t.to(dtype) if dtype is not None else t
+        self.stats.tensors += 1
+        self.stats.bytes += t.numel() * t.element_size()
+        return t
 
 
 def _one_view(chunks: Sequence[tuple[torch.Tensor, tuple, tuple]], shape: tuple[int, ...],
