@@ -21,10 +21,11 @@ then partial, sync; ...) so load from other processes hits both alike:
 
 Both train `groups_per_step` groups (x `samples` trajectories) every step; dynamic sampling is
 off. A step's wall time is `collect(step)` (what an RL step waits on) plus making sure the cut
-left nothing decoding on the engine (a cancelled `HttpEngine.generate` aborts its request; a
-request written just before the cut may land late and is aborted here). After
-every collect the engine's weight version is bumped (`/update_weight_version`, no tensors), so
-a resumed trajectory splices tokens of an older version: the stale share is reported.
+left nothing decoding on the engine (the scheduler's cut aborts the requests of the sessions
+it cancels and waits for their answers; a request still on the engine after `collect` would
+be aborted here, in the step's time, and counted as a leftover). After every collect the
+engine's weight version is bumped (`/update_weight_version`, no tensors), so a resumed
+trajectory splices tokens of an older version: the stale share is reported.
 Token accounting counts every token the engine sampled: generated = trained + still pending in
 the forest (trained later) + lost (the in-flight messages a cut threw away).
 
@@ -157,6 +158,7 @@ class StepRecord:
     decode_s: float = 0.0      # engine time in decode passes
     prefill_slots: int = 0     # prefill positions computed (rows x the longest context)
     prefill_tokens: int = 0    # of which real tokens (the rest is left padding)
+    leftovers: int = 0         # requests still on the engine when collect returned
 
     @property
     def lost(self) -> int:
@@ -220,13 +222,19 @@ class EngineMeter:
         return {name: getattr(self, name) for name in self.FIELDS}
 
 
-async def _abort_leftovers(engine: Any, core: Any) -> None:
-    """Abort what the cut left decoding on the engine (cancelled client calls)."""
+async def _abort_leftovers(engine: Any, core: Any) -> int:
+    """Make sure the cut left nothing decoding on the engine; returns the requests it found.
+
+    The scheduler's cut aborts the requests of the sessions it cancels and waits for their
+    answers, so when `collect` returns every request the step sent has been answered: none
+    is in transit, and none should be left. One that is (a cut that dropped its calls) is
+    aborted here, and the polling counts in the step's time."""
+    found = len(core.rids) + len(core.pending)
     for _ in range(50):
-        await engine.request("POST", "/abort_request", {"abort_all": True})
-        await asyncio.sleep(0.005)  # a request written just before the cut may land late
         if not core.rids and not core.pending:
-            return
+            return found
+        await engine.request("POST", "/abort_request", {"abort_all": True})
+        await asyncio.sleep(0.005)
     raise RuntimeError(f"engine requests still in flight after the cut: {sorted(core.rids)}")
 
 
@@ -236,7 +244,7 @@ async def _step(sched: Any, engine: Any, core: Any, meter: EngineMeter,
     pending0, before = forest_tokens(sched.forest), meter.snapshot()
     t0 = time.perf_counter()
     out = await sched.collect(step)
-    await _abort_leftovers(engine, core)
+    leftovers = await _abort_leftovers(engine, core)
     wall = time.perf_counter() - t0
     did = {k: v - before[k] for k, v in meter.snapshot().items()}
     trajs, c = out.trajectories, sched.agent.cfg
@@ -249,7 +257,8 @@ async def _step(sched: Any, engine: Any, core: Any, meter: EngineMeter,
                       [pareto_messages(c.alpha, c.cap, c.seed, t.group_id,
                                        int(t.uid.rsplit("/", 1)[1])) for t in trajs],
                       [len(t.sequences()) for t in trajs], int(did["passes"]), did["prefill_s"],
-                      did["decode_s"], int(did["prefill_slots"]), int(did["prefill_tokens"]))
+                      did["decode_s"], int(did["prefill_slots"]), int(did["prefill_tokens"]),
+                      leftovers)
 
 
 async def _run(cfg: BenchConfig, server: Any, meter: EngineMeter, tokenizer: Any
@@ -337,14 +346,15 @@ def report(cfg: BenchConfig, results: dict[str, ModeResult], goal: float = 0.6) 
               f"{max(r.wall):6.2f} {','.join(map(str, sorted({x.groups for x in r.steps}))):>11s} "
               f"{statistics.mean(msgs):9.2f} {r.total('trained') / sum(r.wall):13.0f}")
     print(f"{'tokens':8s} {'generated':>10s} {'trained':>8s} {'pending':>8s} {'lost':>6s} "
-          f"{'lost %':>6s} {'stale':>6s} {'stale %':>7s} {'resumed':>7s} {'cut groups':>10s}")
+          f"{'lost %':>6s} {'stale':>6s} {'stale %':>7s} {'resumed':>7s} {'cut groups':>10s} "
+          f"{'leftovers':>9s}")
     for r in results.values():
         gen, trained = r.total("generated"), r.total("trained")
         print(f"{r.mode:8s} {gen:10d} {trained:8d} "
               f"{r.steps[-1].pending_after - r.steps[0].pending_before:+8d} "
               f"{r.total('lost'):6d} {100 * r.total('lost') / max(gen, 1):6.1f} "
               f"{r.total('stale'):6d} {100 * r.total('stale') / max(trained, 1):7.1f} "
-              f"{r.total('resumed'):7d} {r.total('cancelled'):10d}")
+              f"{r.total('resumed'):7d} {r.total('cancelled'):10d} {r.total('leftovers'):9d}")
     print(f"{'engine':8s} {'passes/step':>11s} {'rows/pass':>9s} {'prefill s':>9s} "
           f"{'decode s':>8s} {'prefill pad %':>13s}   (per step; pad: left padding to the "
           f"longest context of a prefill)")
@@ -359,7 +369,8 @@ def report(cfg: BenchConfig, results: dict[str, ModeResult], goal: float = 0.6) 
         print(f"{r.mode:8s} step wall s: " + " ".join(f"{w:.2f}" for w in r.wall))
     print("pending: change over the measured steps of the tokens committed in the forest, not "
           "trained yet; lost: in-flight messages a cut threw away; stale: trained tokens "
-          "sampled under an older weight version than the step's")
+          "sampled under an older weight version than the step's; leftovers: requests still "
+          "on the engine when collect returned")
     sync, part = results["sync"], results["partial"]
     ratio = statistics.mean(part.wall) / statistics.mean(sync.wall)
     med = statistics.median(part.wall) / statistics.median(sync.wall)

@@ -66,6 +66,7 @@ def test_both_modes_train_the_same_groups_per_step(bench, results):
             assert s.sequences == [1] * len(s.messages)
             assert s.trained == sum(s.messages) * cfg.tokens
             assert s.lost >= 0 and s.pending_after >= 0
+            assert s.leftovers == 0  # the cut left nothing on the engine
 
 
 def test_partial_mode_resumes_cut_sessions_with_stale_tokens(results):

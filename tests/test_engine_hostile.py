@@ -201,14 +201,14 @@ def test_a_request_failing_inside_a_batched_step_fails_alone(model) -> None:
 
 def test_a_sampling_failure_fails_only_its_request(model) -> None:
     with EmbeddedServer(model).start() as srv:
-        core, draw = srv.core, srv.core._draw
+        core, generator = srv.core, srv.core._generator
 
-        def poisoned(scaled: torch.Tensor, sp: Any, s: Any) -> int:
+        def poisoned(s: Any) -> torch.Generator:
             if s.rid == "bad" and len(s.out) >= 2:
                 raise RuntimeError("injected sampling failure")
-            return draw(scaled, sp, s)
+            return generator(s)
 
-        core._draw = poisoned  # only sampled rows draw: the others here are greedy
+        core._generator = poisoned  # only sampled rows draw: the others here are greedy
 
         async def scenario() -> list:
             bad = {"rid": "bad", "input_ids": PROMPTS[1],

@@ -9,7 +9,7 @@ import re
 
 from megatron_rl.agents import ReActAgent
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
-from megatron_rl.engines.base import SamplingParams
+from megatron_rl.engines.base import GenerateResult, SamplingParams
 from megatron_rl.records.prompt import Prompt
 from megatron_rl.rewards.composite import score_group
 from megatron_rl.rewards.rule import RuleJudge
@@ -77,3 +77,69 @@ def test_running_sessions_are_cancelled_and_requeued():
     assert len(first.groups) == 1 and first.groups[0][0].question == "mixed 1"
     assert first.cancelled_prompts == 1 and requeued == ["slow 2"]
     assert sched._next_group().prompt.question == "slow 2"  # first in line next step
+
+
+class AbortableEngine(ScriptedEngine):
+    """As a server does: a 'slow' request runs until aborted, then answers 'abort'. With
+    `late`, a slow request reaches the engine only after its first abort (which finds nothing:
+    the race of a request written just before the cut)."""
+
+    def __init__(self, tokenizer, policy, late=False):
+        super().__init__(tokenizer, policy)
+        self.late, self.live, self.aborts, self.answered = late, {}, [], []
+        self.aborted_once: asyncio.Event | None = None
+
+    def _aborted_once(self) -> asyncio.Event:
+        self.aborted_once = self.aborted_once or asyncio.Event()
+        return self.aborted_once
+
+    async def generate(self, req):
+        if "slow" not in self.tokenizer.decode(req.input_ids):
+            return await super().generate(req)
+        if self.late:
+            await self._aborted_once().wait()
+        ended = self.live[req.rid] = asyncio.Event()
+        await ended.wait()
+        del self.live[req.rid]
+        self.answered.append(req.rid)
+        return GenerateResult(rid=req.rid, output_ids=[], output_logprobs=[],
+                              finish_reason="abort", weight_versions=[])
+
+    async def abort(self, rid):
+        self.aborts.append(rid)
+        if rid in self.live:
+            self.live[rid].set()
+        self._aborted_once().set()
+
+
+def _cut_step(late: bool):
+    sched = _scheduler(["mixed 1", "slow 2"],
+                       SchedulerConfig(samples_per_prompt=2, groups_per_step=1, oversample=2.0,
+                                       partial_rollout=True),
+                       lambda tok, policy: AbortableEngine(tok, policy, late=late))
+    out = asyncio.run(asyncio.wait_for(sched.collect(step=0), timeout=10))
+    return sched.engine, out
+
+
+def test_the_cut_aborts_its_requests_and_waits_for_their_answers():
+    engine, out = _cut_step(late=False)
+    assert [g[0].question for g in out.groups] == ["mixed 1"] and out.cancelled_prompts == 1
+    # both samples of 'slow 2' were decoding: aborted once each, answered (not dropped)
+    assert sorted(engine.aborts) == sorted(engine.answered) == ["p1/s0/0/0", "p1/s0/1/0"]
+    assert engine.live == {}  # nothing of the step is left on the engine
+
+
+def test_a_request_that_lands_after_its_abort_is_aborted_again():
+    engine, out = _cut_step(late=True)
+    assert out.cancelled_prompts == 1
+    assert sorted(engine.answered) == ["p1/s0/0/0", "p1/s0/1/0"] and engine.live == {}
+    assert sorted(engine.aborts) == ["p1/s0/0/0"] * 2 + ["p1/s0/1/0"] * 2
+
+
+def test_a_request_its_engine_does_not_end_on_abort_is_dropped():
+    """An engine whose abort is a no-op (NoServerControl): the cut cancels the call."""
+    sched = _scheduler(["mixed 1", "slow 2"],
+                       SchedulerConfig(samples_per_prompt=1, groups_per_step=1, oversample=2.0),
+                       SlowEngine)
+    out = asyncio.run(asyncio.wait_for(sched.collect(step=0), timeout=10))
+    assert out.cancelled_prompts == 1

@@ -8,6 +8,13 @@ the long tail of a step is not thrown away but finished under the next weights.
 
 Kept groups are returned in launch order (not completion order), so a run whose groups are all
 kept (no over-sampling, no dynamic sampling) builds the same batch whatever the timing.
+
+The cut leaves nothing on the engine: a cancelled session's request in flight is not dropped
+with its connection but aborted on the engine (`RolloutEngine.abort`), and the step waits for
+its answer (finish reason 'abort', thrown away), so once `collect` returns every request the
+step sent has been answered. Dropping the call instead leaves a race: a request that reaches
+the engine after its own abort decodes on unseen, and can still hold its rid when the resumed
+session asks again.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 
 from megatron_rl.algorithms.advantages import dynamic_sampling_filter, trajectory_flags
 from megatron_rl.config.schema import SchedulerConfig
-from megatron_rl.engines.base import RolloutEngine
+from megatron_rl.engines.base import GenerateRequest, GenerateResult, RolloutEngine
 from megatron_rl.env.base import row_arguments
 from megatron_rl.records.prompt import Prompt
 from megatron_rl.records.trajectory import Trajectory
@@ -50,6 +57,51 @@ class PendingGroup:
     prompt: Prompt
     nodes: list[int]
     order: int = 0                 # launch order, which orders a step's kept groups
+
+
+class StepRequests:
+    """One step's view of the engine, given to its sessions: each `generate` runs as a task of
+    its own, so a session the cut cancels leaves its request to `cut`, which aborts it on the
+    engine and waits for its answer. Every other attribute is the engine's."""
+
+    # after each round of aborts, how long `cut` waits for the aborted requests' answers
+    # before aborting them again (one that reached the engine after its abort was not found);
+    # after the last, the calls are cancelled (an engine whose abort ends nothing)
+    ABORT_WAITS_S = (0.005, 0.02, 0.08)
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.running: dict[asyncio.Task, str] = {}  # the calls under way → their rids
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        task = asyncio.ensure_future(self.engine.generate(req))
+        self.running[task] = req.rid
+        task.add_done_callback(lambda t: self.running.pop(t, None))
+        return await asyncio.shield(task)  # a cancelled session leaves the call to `cut`
+
+    async def cut(self) -> None:
+        """Abort the calls still running (their sessions are gone) and wait for their answers;
+        a call its engine does not end on abort is cancelled (the client drops it)."""
+        rids = {t: rid for t, rid in self.running.items() if not t.done()}
+        left = list(rids)
+        for wait_s in self.ABORT_WAITS_S:
+            if not left:
+                return
+            await asyncio.gather(*(self.engine.abort(rids[t]) for t in left),
+                                 return_exceptions=True)
+            _, pending = await asyncio.wait(left, timeout=wait_s)
+            left = list(pending)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+
+    def drop(self) -> None:
+        """Cancel every call under way (the client drops them: `HttpEngine` aborts each)."""
+        for task in list(self.running):
+            task.cancel()
 
 
 class RolloutScheduler:
@@ -80,8 +132,8 @@ class RolloutScheduler:
         group.order, self._launched = self._launched, self._launched + 1
         return group
 
-    async def _sample(self, group: PendingGroup, i: int, step: int,
-                      out: StepRollouts) -> Trajectory:
+    async def _sample(self, group: PendingGroup, i: int, step: int, out: StepRollouts,
+                      engine: StepRequests) -> Trajectory:
         p = group.prompt
         resume = self.forest.resume(group.nodes[i])
         if resume is not None and resume[1].get("done"):  # finished before the cut
@@ -93,7 +145,7 @@ class RolloutScheduler:
 
         keep = self.cfg.partial_rollout  # without it a cut session starts over: keep nothing
         with row_arguments(p.metadata.get("tool_arguments")):  # the row's tools_kwargs
-            traj = await self.agent.run(p.question, p.answer, self.engine, group_id=p.uid,
+            traj = await self.agent.run(p.question, p.answer, engine, group_id=p.uid,
                                         uid=f"{p.uid}/s{step}/{i}", resume=resume,
                                         commit=commit if keep else None,
                                         **({"messages": p.messages} if p.messages else {}))
@@ -102,9 +154,9 @@ class RolloutScheduler:
             commit(traj, {"done": True})
         return traj
 
-    async def _group(self, group: PendingGroup, step: int, out: StepRollouts
-                     ) -> list[Trajectory]:
-        trajs = await asyncio.gather(*(self._sample(group, i, step, out)
+    async def _group(self, group: PendingGroup, step: int, out: StepRollouts,
+                     engine: StepRequests) -> list[Trajectory]:
+        trajs = await asyncio.gather(*(self._sample(group, i, step, out, engine)
                                        for i in range(len(group.nodes))))
         t0 = time.perf_counter()
         await self.score(list(trajs))
@@ -123,32 +175,40 @@ class RolloutScheduler:
         out = StepRollouts([])
         kept: list[tuple[int, list[Trajectory]]] = []
         running: dict[asyncio.Task, PendingGroup] = {}
+        engine = StepRequests(self.engine)
 
         def launch(count: int) -> None:
             for _ in range(count):
                 group = self._next_group()
                 if group is None:
                     return
-                running[asyncio.create_task(self._group(group, step, out))] = group
+                running[asyncio.create_task(self._group(group, step, out, engine))] = group
 
-        launch(math.ceil(need * self.cfg.oversample))
-        refills = 0
-        while running and len(kept) < need:
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=lambda t: running[t].order):
-                group = running.pop(task)
-                self.forest.release(group.prompt.uid)
-                trajs = task.result()
-                if len(kept) < need and self._keep(trajs):
-                    kept.append((group.order, trajs))
-                elif len(kept) < need:
-                    out.dropped_groups += 1
-                    if refills < self.cfg.max_refills * need:
-                        refills += 1
-                        launch(1)
-        for task in running:  # enough groups: the rest waits for the next step
-            task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
+        try:
+            launch(math.ceil(need * self.cfg.oversample))
+            refills = 0
+            while running and len(kept) < need:
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: running[t].order):
+                    group = running.pop(task)
+                    self.forest.release(group.prompt.uid)
+                    trajs = task.result()
+                    if len(kept) < need and self._keep(trajs):
+                        kept.append((group.order, trajs))
+                    elif len(kept) < need:
+                        out.dropped_groups += 1
+                        if refills < self.cfg.max_refills * need:
+                            refills += 1
+                            launch(1)
+            for task in running:  # enough groups: the rest waits for the next step
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            await engine.cut()  # their requests still on the engine: aborted and answered
+        except BaseException:  # a failed session or a cancelled collect: drop everything
+            for task in running:
+                task.cancel()
+            engine.drop()
+            raise
         for group in sorted(running.values(), key=lambda g: g.order):
             if not self.cfg.partial_rollout:  # start over: forget the committed prefixes
                 self.forest.release(group.prompt.uid)
