@@ -29,7 +29,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "weight_sync": ["--transports", "one-copy,tensor"],
     "megatron_cpu_step": [],
     "engine_vs_generate": ["--models", "tiny-moe,tiny-qwen3.5"],
-    "partial_rollout": ["--steps", "12"],
+    "partial_rollout": [],
     "step_overhead": ["--steps", "4"],
     "conversion": [],
     "search_latency": ["--sizes", "10000,100000,1000000", "--queries", "1000"],

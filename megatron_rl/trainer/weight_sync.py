@@ -18,7 +18,9 @@ Every update carries a `weight_version`; engines stamp it on each token they gen
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime
+import functools
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -230,6 +232,33 @@ class WeightGatherer:
         return t
 
 
+@functools.cache
+def _copy_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="weight-copy")
+
+
+def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """dst.copy_(src) for every pair, the pairs split over the intra-op threads: one copy of a
+    few MB gains little from torch's own split, while each thread copying its share of the
+    tensors runs at memcpy speed."""
+    n = torch.get_num_threads()
+    if n <= 1 or len(copies) < 2 * n or torch.cuda.is_available():
+        for dst, src in copies:
+            dst.copy_(src)
+        return
+    shares: list[list] = [[] for _ in range(n)]
+    loads = [0] * n
+    for pair in sorted(copies, key=lambda p: -p[1].numel()):  # balance bytes
+        i = loads.index(min(loads))
+        shares[i].append(pair)
+        loads[i] += pair[1].numel()
+    torch.set_num_threads(1)  # the engines are held: nothing else of ours computes now
+    try:
+        list(_copy_pool(n).map(lambda share: [d.copy_(s) for d, s in share], shares))
+    finally:
+        torch.set_num_threads(n)
+
+
 def _one_view(chunks: Sequence[tuple[torch.Tensor, tuple, tuple]], shape: tuple[int, ...],
               resolve: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
     """The chunks of one tensor as one view when they tile `shape` along dim 0 back to back in
@@ -357,16 +386,17 @@ class WeightSyncer:
             if not writers:
                 raise RuntimeError("an engine stopped sharing its weights mid-run")
         rest: list[Bucket] = [[] for _ in self.engines]
-        write_s = 0.0
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, t in tensors:
-            t1 = time.perf_counter()
             for w, left in zip(writers, rest, strict=True):
                 dst = w.target(name)
                 if dst is not None and dst.shape == t.shape:
-                    dst.copy_(t)
+                    copies.append((dst, t))
                 else:  # t may be a view of a live parameter: the bucket keeps a copy
                     left.append((name, t.clone()))
-            write_s += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        _copy_all(copies)
+        write_s = time.perf_counter() - t1
         await asyncio.gather(*(e.update_weights_from_tensors(left, None)
                                for e, left in zip(self.engines, rest, strict=True) if left))
         t2 = time.perf_counter()
