@@ -27,14 +27,12 @@ from typing import Any
 
 import torch
 
+from megatron_rl.engines.tensors import dtype_name
+
 LAYOUT_FORMAT = "megatron-rl/shared-weights-v1"
 ALIGN = 64  # bytes: each parameter starts on a cache line
 _SEGMENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class SharedWeightStore:
@@ -72,7 +70,7 @@ class SharedWeightStore:
             p = params[owner]
             self.tensors[ckpt_name] = {
                 "offset": offsets[owner] + where.start * p.element_size(),
-                "shape": list(shape), "dtype": str(p.dtype).removeprefix("torch.")}
+                "shape": list(shape), "dtype": dtype_name(p.dtype)}
 
     def layout(self) -> dict[str, Any]:
         return {"format": LAYOUT_FORMAT, "name": self.segment.name, "nbytes": self.nbytes,
@@ -125,7 +123,7 @@ class SharedWeightWriter:
             raise ValueError(f"{where}: dtype {t.get('dtype')!r} is not one of {list(_DTYPES)}")
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
             raise ValueError(f"{where}: shape must be a list of non-negative integers")
-        size = _itemsize(dtype)
+        size = dtype.itemsize
         n = torch.Size(shape).numel() * size
         if not (isinstance(offset, int) and 0 <= offset and offset % size == 0
                 and offset + n <= self.nbytes):

@@ -108,7 +108,7 @@ class WeightGatherer:
         views of the live parameters (an offload keeps their storages, so they stay valid)."""
         from megatron.core.dist_checkpointing.mapping import is_main_replica
 
-        self.direct: list | None = None  # see hf_tensors
+        self.whole: list | None = None  # per layer: its units' live views (see hf_tensors)
         self.local: dict[tuple[str, tuple[int, ...]], list[tuple[torch.Tensor, tuple, tuple]]] = {}
         for module in self.modules:
             for sh in _sharded_tensors(module):
@@ -139,16 +139,23 @@ class WeightGatherer:
     def _shape(self, key: str, shape: torch.Size) -> tuple[int, ...]:
         return (self.padded_vocab, *shape[1:]) if key in VOCAB_KEYS else tuple(shape)
 
-    def _whole(self, parts: list, index: tuple[int, ...]) -> list[torch.Tensor] | None:
-        """This rank's parameters for `parts` when it holds each one whole (no reduction
-        needed): the live tensors themselves, no copy. None otherwise."""
-        out = []
-        for key, _, shape in parts:
-            whole = _one_view(self.local.get((key, index), ()), tuple(shape), self.resolve)
-            if whole is None:
+    def _whole_units(self, slots: list) -> list[list] | None:
+        """One layer's units when this rank holds every one whole (one rank, nothing to
+        reduce): each unit's HF (name, view) pairs, or its live Megatron tensors when its HF
+        form must be computed anew. No copy. None otherwise."""
+        units = []
+        for entry, index, parts in slots:
+            views = [_one_view(self.local.get((key, index), ()), tuple(shape), self.resolve)
+                     for key, _, shape in parts]
+            if any(v is None for v in views):
                 return None
-            out.append(whole)
-        return out
+            # HF tensors that are views of the parameters are kept as they are; a unit whose
+            # HF form is a copy (a reshape that cannot view) is converted on every sync
+            pairs = list(self._converted(entry, index, parts, views, time.perf_counter()))
+            inputs = {v.untyped_storage().data_ptr() for v in views}
+            viewed = all(t.untyped_storage().data_ptr() in inputs for _, t in pairs)
+            units.append(pairs if viewed else views)
+        return units
 
     @torch.no_grad()
     def hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -156,37 +163,27 @@ class WeightGatherer:
         yields (HF name, full tensor) pairs. On one rank the tensors can be views of the live
         parameters (nothing is copied before the consumer's own copy): copy what you keep."""
         self.stats = SyncStats()
-        # an offloaded actor's parameters are read from their host copies, which move
+        # an offloaded actor's parameters are read from their host copies, which move; live
+        # ones keep their storages (an optimizer step writes them in place), so the views
+        # found once serve every later sync
         live = all(self.resolve(data) is data for chunks in self.local.values()
                    for data, _, _ in chunks)
-        if self.direct is not None and live:  # the same views as last time: nothing to gather
-            t1 = time.perf_counter()
-            for unit in self.direct:
-                pairs = unit if isinstance(unit, list) else self._converted(*unit, t1)
-                for name, t in pairs:
-                    yield name, self._counted(t, dtype)
+        plan = self.whole if live else None
+        if plan is None:
+            plan = [self._whole_units(slots) if self.world == 1 else None
+                    for slots, _ in self.layout]
+            self.whole = plan if live else None
+        for (slots, total), units in zip(self.layout, plan, strict=True):
+            if units is not None:  # nothing to gather
                 t1 = time.perf_counter()
-            return
-        direct: list | None = [] if self.world == 1 else None
-        for slots, total in self.layout:
-            t0 = time.perf_counter()
-            whole = ([self._whole(parts, index) for _, index, parts in slots]
-                     if self.world == 1 else [None])
-            if all(w is not None for w in whole):
-                t1 = time.perf_counter()
-                self.stats.gather_s += t1 - t0
-                for (entry, index, parts), tensors in zip(slots, whole, strict=True):
-                    pairs = []
-                    for name, t in self._converted(entry, index, parts, tensors, t1):
-                        pairs.append((name, t))
+                for (entry, index, parts), unit in zip(slots, units, strict=True):
+                    pairs = (unit if unit and isinstance(unit[0], tuple)
+                             else self._converted(entry, index, parts, unit, t1))
+                    for name, t in pairs:
                         yield name, self._counted(t, dtype)
-                    if direct is not None:  # views of the inputs stay; copies are redone
-                        inputs = {x.untyped_storage().data_ptr() for x in tensors}
-                        viewed = all(t.untyped_storage().data_ptr() in inputs for _, t in pairs)
-                        direct.append(pairs if viewed else (entry, index, parts, tensors))
                     t1 = time.perf_counter()
                 continue
-            direct = None
+            t0 = time.perf_counter()
             flat = torch.zeros(total, dtype=self.buffer_dtype, device=self.device)
             for _, index, parts in slots:
                 for key, offset, shape in parts:
@@ -208,11 +205,6 @@ class WeightGatherer:
                 for name, t in self._converted(entry, index, parts, tensors, t1):
                     yield name, self._counted(t, dtype)
                 t1 = time.perf_counter()
-        # one rank holding every layer whole: its HF tensors are views of the live parameters,
-        # whose storages outlive the sync (an optimizer step writes them in place; an offload
-        # keeps them), so later syncs hand over the same views
-        if direct is not None and live:
-            self.direct = direct
 
     def _converted(self, entry: Entry, index: tuple[int, ...], parts: list,
                    tensors: list[torch.Tensor], t1: float) -> Iterator[tuple[str, torch.Tensor]]:
