@@ -61,6 +61,8 @@ def test_zero_variance_groups_are_dropped_and_refilled():
         assert sorted(t.rewards["outcome"] for t in group) == [0.0, 0.0, 1.0, 1.0]
     assert sorted(g[0].question for g in out.groups) == ["mixed 2", "mixed 4"]
     assert out.metrics["rollout/groups"] == 2
+    # the policy's own rate counts the dropped all-right groups: (8 + 4) / 16, not the kept 0.5
+    assert out.metrics["rollout/sampled_outcome_mean"] == 0.75
 
 
 def test_running_sessions_are_cancelled_and_requeued():
