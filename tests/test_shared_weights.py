@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -18,6 +22,7 @@ import torch
 from megatron_rl.engines.base import GenerateRequest
 from megatron_rl.engines.embedded import EmbeddedServer
 from megatron_rl.engines.http_client import HttpEngine
+from megatron_rl.engines.process_memory import map_process_memory
 from megatron_rl.engines.shared_weights import LAYOUT_FORMAT, SharedWeightWriter
 from megatron_rl.trainer.weight_sync import SyncStats, WeightSyncer
 from tests.test_engine_embedded import (
@@ -66,7 +71,7 @@ def test_one_copy_sync_writes_the_engines_parameters_in_place(models, tmp_path) 
             assert syncer._writers[0] is writer  # mapped once: later syncs write warm pages
             segment = writer.name
         layout = srv.core.share_weights()
-        base_ptr = torch.frombuffer(srv.core.shared.segment.buf, dtype=torch.uint8).data_ptr()
+        base_ptr = torch.frombuffer(srv.core.shared.memory.map, dtype=torch.uint8).data_ptr()
         ptrs = [p.data_ptr() for p in srv.core.model.parameters()]
 
         async def probe():
@@ -74,7 +79,7 @@ def test_one_copy_sync_writes_the_engines_parameters_in_place(models, tmp_path) 
                 return await eng.generate(GenerateRequest("p", PROMPTS[0], greedy(12)))
 
         out = asyncio.run(probe())
-    assert layout["name"] == segment and layout["format"] == LAYOUT_FORMAT
+    assert layout["label"] == segment and layout["format"] == LAYOUT_FORMAT
     assert set(n for n, _ in named) <= set(layout["tensors"])  # every name written in place
     assert stats.extra["unshared"] == 0 and stats.tensors == len(named)
     # the engine decodes from the segment: its parameters are views of shared memory
@@ -132,11 +137,15 @@ def test_no_token_decodes_with_half_written_weights(models, tmp_path) -> None:
 
 def test_a_hostile_layout_is_refused_naming_the_field(tmp_path) -> None:
     model = tiny_model()
+    other = (tmp_path / "secret.txt").open("w+")
     with EmbeddedServer(copy.deepcopy(model)).start() as srv:
         good = srv.core.share_weights()
         some = next(iter(good["tensors"]))
         bad = {
-            "name": {**good, "name": "../../etc/passwd"},
+            "path": {**good, "path": "../../etc/passwd"},
+            "label": {**good, "label": "psm_1234"},
+            # well-formed, but the descriptor is a plain file, not the engine's memory
+            "not the shared memory": {**good, "path": f"/proc/{os.getpid()}/fd/{other.fileno()}"},
             "nbytes": {**good, "nbytes": good["nbytes"] * 4},
             "offset": {**good, "tensors": {some: {**good["tensors"][some],
                                                   "offset": good["nbytes"]}}},
@@ -149,3 +158,37 @@ def test_a_hostile_layout_is_refused_naming_the_field(tmp_path) -> None:
         writer = SharedWeightWriter(good)
         assert writer.target(some).shape == torch.Size(good["tensors"][some]["shape"])
         writer.close()
+    other.close()
+
+
+OWNER = """
+import sys, time
+from megatron_rl.engines.process_memory import ProcessMemory
+m = ProcessMemory(1 << 20, "weights")
+m.map[:5] = b"hello"
+print(m.path, m.label, flush=True)
+time.sleep(60)
+"""
+
+
+def test_shared_memory_dies_with_its_owner_even_on_sigkill() -> None:
+    """A /dev/shm segment outlived every SIGKILLed engine; the memfd goes with its owner."""
+    shm_before = set(os.listdir("/dev/shm"))
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        path, label = owner.stdout.readline().split()
+        address = {"path": path, "label": label}
+        mapped = map_process_memory(address, 1 << 20, writable=True, what="test")
+        assert mapped[:5] == b"hello"
+        mapped[:5] = b"world"  # the owner's pages: a writable mapping, not a copy
+        assert map_process_memory(address, 1 << 20, writable=False, what="test")[:5] == b"world"
+        with pytest.raises(ValueError, match="smaller"):
+            map_process_memory(address, 1 << 21, writable=False, what="test")
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    with pytest.raises(FileNotFoundError, match="owner exited"):
+        map_process_memory(address, 1 << 20, writable=False, what="test")
+    assert mapped[:5] == b"world"  # a live mapping keeps its pages until it is closed
+    mapped.close()
+    assert set(os.listdir("/dev/shm")) <= shm_before  # nothing left behind

@@ -949,15 +949,15 @@ class EmbeddedCore:
 
     def begin_weight_write(self) -> str:
         """Hold every step until `commit_weight_write`: requests stay in flight, none decodes
-        with half-written weights. Returns the segment's name (a writer holding another one
-        maps a segment of an engine that has since restarted)."""
+        with half-written weights. Returns the shared memory's label (a writer holding another
+        one maps the memory of an engine that has since restarted)."""
         if self.shared is None:
             raise BadRequest("weights are not shared: POST /shared_weights first")
         if "weights" in self.released_tags:
             raise BadRequest("weights are released: resume them first "
                              "(/resume_memory_occupation with tags ['weights'])", 503)
         self.writing = True
-        return self.shared.segment.name
+        return self.shared.memory.label
 
     def commit_weight_write(self, version: Any) -> None:
         if not self.writing:

@@ -1,8 +1,9 @@
 """One-copy weight sync: the engine's parameters live in a shared-memory segment the trainer
 writes directly (an engine on the trainer's machine).
 
-The embedded engine moves every parameter into one POSIX shared-memory segment
-(`SharedWeightStore`) and publishes its layout: for each HF checkpoint name whose values sit
+The embedded engine moves every parameter into one shared-memory region
+(`SharedWeightStore`, a memfd that dies with the engine: `process_memory.py`) and publishes its
+layout: for each HF checkpoint name whose values sit
 contiguously in a parameter, the byte offset, shape and dtype. The trainer maps the segment
 writable (`SharedWeightWriter`) and copies each HF-layout tensor straight into the engine's
 weights: one pass over the bytes instead of gather buffer → bucket segment → engine copy.
@@ -19,24 +20,20 @@ segment before anything is written (`SharedWeightWriter`).
 
 from __future__ import annotations
 
-import mmap
-import os
-import re
-from multiprocessing import shared_memory
 from typing import Any
 
 import torch
 
+from megatron_rl.engines.process_memory import ProcessMemory, map_process_memory
 from megatron_rl.engines.tensors import dtype_name
 
-LAYOUT_FORMAT = "megatron-rl/shared-weights-v1"
+LAYOUT_FORMAT = "megatron-rl/shared-weights-v2"
 ALIGN = 64  # bytes: each parameter starts on a cache line
-_SEGMENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class SharedWeightStore:
-    """Engine side: moves `model`'s parameters into one shared-memory segment (tied parameters
+    """Engine side: moves `model`'s parameters into one shared-memory region (tied parameters
     stay one tensor) and describes where each checkpoint name lives in it."""
 
     def __init__(self, model: torch.nn.Module, checkpoint_map: dict[str, tuple[str, Any, tuple]]):
@@ -50,12 +47,12 @@ class SharedWeightStore:
                 raise ValueError(f"parameter '{name}': dtype {p.dtype} cannot be shared")
             offsets[name] = total
             total += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
-        self.segment = shared_memory.SharedMemory(create=True, size=max(total, 1))
+        self.memory = ProcessMemory(total, "weights")
         storage = {}
         with torch.no_grad():
             for name, p in params.items():
                 n = p.numel() * p.element_size()
-                view = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=n,
+                view = torch.frombuffer(self.memory.map, dtype=torch.uint8, count=n,
                                         offset=offsets[name]).view(p.dtype).view(p.shape)
                 view.copy_(p.data)
                 p.data = view
@@ -73,40 +70,27 @@ class SharedWeightStore:
                 "shape": list(shape), "dtype": dtype_name(p.dtype)}
 
     def layout(self) -> dict[str, Any]:
-        return {"format": LAYOUT_FORMAT, "name": self.segment.name, "nbytes": self.nbytes,
+        return {"format": LAYOUT_FORMAT, **self.memory.address, "nbytes": self.nbytes,
                 "tensors": self.tensors}
 
     def close(self) -> None:
-        """Unlink the segment (the engine's parameters keep their mapping until freed)."""
-        try:
-            self.segment.unlink()
-        except FileNotFoundError:
-            pass
+        """No new writer can map it; the engine's parameters keep the memory until freed."""
+        self.memory.close()
 
 
 class SharedWeightWriter:
-    """Trainer side: the engine's segment mapped writable; `target(name)` is the engine's
-    tensor for an HF checkpoint name (None: send that one by the tensor route)."""
+    """Trainer side: the engine's weights mapped writable; `target(name)` is the engine's
+    tensor for an HF checkpoint name (None: send that one by the tensor route). `name` is the
+    region's label, which a restarted engine changes."""
 
     def __init__(self, layout: Any):
         if not isinstance(layout, dict) or layout.get("format") != LAYOUT_FORMAT:
             raise ValueError(f"shared-weights layout: expected format '{LAYOUT_FORMAT}'")
-        name, nbytes = layout.get("name"), layout.get("nbytes")
-        if not isinstance(name, str) or not _SEGMENT_NAME.fullmatch(name.lstrip("/")):
-            raise ValueError("shared-weights layout: 'name' is not a shared-memory segment name")
-        if not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError("shared-weights layout: 'nbytes' must be a positive integer")
-        path = f"/dev/shm/{name.lstrip('/')}"
-        fd = os.open(path, os.O_RDWR)  # FileNotFoundError: the engine is on another machine
-        try:
-            if os.fstat(fd).st_size < nbytes:
-                raise ValueError(f"shared-weights layout: segment {name!r} is smaller than "
-                                 f"{nbytes} bytes")
-            self.map = mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE)
-        finally:
-            os.close(fd)
+        nbytes = layout.get("nbytes")
+        self.map = map_process_memory(layout, nbytes, writable=True,
+                                      what="shared-weights layout")
         self.flat = torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes)
-        self.name, self.nbytes = name, nbytes
+        self.name, self.nbytes = layout["label"], nbytes
         self.targets: dict[str, torch.Tensor] = {}
         tensors = layout.get("tensors")
         if not isinstance(tensors, dict):

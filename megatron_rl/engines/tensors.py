@@ -12,8 +12,8 @@ The embedded engine takes the same request shape with *values* instead of handle
 unpickling network input is unsafe: each entry is base64 of a safetensors file, either the named
 tensors themselves or, flattened, one uint8 `flattened_tensor` with the bucket metadata as JSON
 in the safetensors header (`encode_safetensors` / `decode_safetensors`). Its colocated analogue
-of SGLang's handles is a shared-memory segment: the trainer writes the flattened bucket into
-POSIX shared memory once and sends only its name and metadata as JSON (`encode_shm`); the
+of SGLang's handles is shared memory: the trainer writes the flattened bucket into a memfd
+that dies with it (`process_memory.py`) and sends only its address and metadata as JSON; the
 engine maps it and copies straight into its weights (no serialisation, no HTTP payload;
 `ShmWriter` / `SharedBucket`).
 """
@@ -24,14 +24,15 @@ import base64
 import io
 import json
 from collections.abc import Iterable, Iterator
-from multiprocessing import shared_memory
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from megatron_rl.engines.process_memory import ProcessMemory, map_process_memory
+
 FLATTENED = "flattened_bucket"
-SHM_FORMAT = "megatron-rl/shm-v1"
+SHM_FORMAT = "megatron-rl/shm-v2"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -113,12 +114,12 @@ def encode_safetensors(named: list[tuple[str, torch.Tensor]], flattened: bool) -
 
 
 class ShmWriter:
-    """Trainer side of the shm transport: one shared-memory segment, reused for every bucket
+    """Trainer side of the shm transport: one shared-memory region, reused for every bucket
     and every sync (fresh pages cost a page fault each; warm ones copy at memcpy speed) and
-    grown when a bucket does not fit. `close()` unlinks it."""
+    grown when a bucket does not fit. `close()` frees it."""
 
     def __init__(self) -> None:
-        self.segment: shared_memory.SharedMemory | None = None
+        self.segment: ProcessMemory | None = None
 
     def write(self, named: list[tuple[str, torch.Tensor]]) -> str:
         """The bucket flattened into the segment (one copy); returns the payload. The engine
@@ -126,8 +127,8 @@ class ShmWriter:
         total = sum(t.numel() * t.element_size() for _, t in named)
         if self.segment is None or self.segment.size < total:
             self.close()
-            self.segment = shared_memory.SharedMemory(create=True, size=max(total, 1))
-        flat = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=total)
+            self.segment = ProcessMemory(total, "bucket")
+        flat = torch.frombuffer(self.segment.map, dtype=torch.uint8, count=max(total, 1))
         meta, offset = [], 0
         for name, t in named:
             n = t.numel() * t.element_size()
@@ -136,41 +137,28 @@ class ShmWriter:
                          "start_idx": offset, "end_idx": offset + n, "numel": n})
             offset += n
         del flat  # a live view would keep the segment from closing
-        header = {"format": SHM_FORMAT, "name": self.segment.name, "nbytes": total,
+        header = {"format": SHM_FORMAT, **self.segment.address, "nbytes": total,
                   "metadata": meta}
         return base64.b64encode(json.dumps(header).encode()).decode("ascii")
 
     def close(self) -> None:
         if self.segment is not None:
             self.segment.close()
-            self.segment.unlink()
             self.segment = None
 
 
 class SharedBucket:
     """Engine side of `ShmWriter`: the named tensors as views of the mapped segment.
-    Use as a context manager; the views must not outlive it.
-
-    The segment is mapped straight from /dev/shm rather than through `SharedMemory`, which
-    would register it with Python's resource tracker: that tracker is shared with the
-    processes this one spawned (e.g. the trainer ranks that own the segment), so attaching
-    here and unlinking there would unregister the name twice."""
+    Use as a context manager; the views must not outlive it."""
 
     def __init__(self, header: dict[str, Any]):
-        import mmap
-        import os
-
-        path = f"/dev/shm/{str(header['name']).lstrip('/')}"
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ValueError(f"shared-memory segment {header['name']!r} does not exist (the "
-                             "shm transport needs the engine on the trainer's machine)") from None
         try:
             # copy-on-write: a writable buffer for torch, the trainer's pages never change
-            self.map = mmap.mmap(fd, max(int(header["nbytes"]), 1), access=mmap.ACCESS_COPY)
-        finally:
-            os.close(fd)
+            self.map = map_process_memory(header, header.get("nbytes"), writable=False,
+                                          what="shm bucket")
+        except FileNotFoundError as e:
+            raise ValueError(f"{e} (the shm transport needs the engine on the trainer's "
+                             "machine)") from None
         flat = torch.frombuffer(self.map, dtype=torch.uint8, count=header["nbytes"])
         self.named = unflatten_bucket(flat, header["metadata"])
 

@@ -3,7 +3,7 @@
 
 | file | metrics (those the run wrote) |
 |---|---|
-| `reward_accuracy.png` | `reward/outcome_mean`, `rollout/sampled_outcome_mean` (dropped groups too), `rollout/pass_rate`, `…/judged_pass_rate`, eval |
+| `reward_accuracy.png` | `reward/outcome_mean`, `rollout/sampled_outcome_mean`, `…pass_rate`, eval|
 | `reward_per_role.png` | `reward/<role>_mean`, `reward/<role>_std`, `reward/<role>/<key>_mean` |
 | `tool_calls.png` | `tools/calls_mean`, `tools/<name>_calls`, `tools/<name>_error_rate`, turns |
 | `abnormal.png` | env / model failure and ok rates, each label's rate that is ever non-zero |
@@ -22,7 +22,8 @@ from typing import Any
 from megatron_rl.utils.metrics import plot_metrics, read_metrics
 
 REWARD_ACCURACY = ("reward/outcome_mean", "rollout/sampled_outcome_mean", "rollout/pass_rate",
-                   "rollout/judged_pass_rate", "eval/outcome_mean", "eval/pass_rate", "eval/judged_pass_rate")
+                   "rollout/judged_pass_rate", "eval/outcome_mean", "eval/pass_rate",
+                   "eval/judged_pass_rate")
 FAILURE_TOTALS = ("abnormal/env_failure_rate", "abnormal/model_failure_rate",
                   "abnormal/ok_rate", "rollout/length_finish_rate")
 _ROLE_TURNS = re.compile(r"rollout/([A-Za-z0-9_.-]+)_turns_mean")

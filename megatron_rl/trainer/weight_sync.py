@@ -359,7 +359,7 @@ class WeightSyncer:
         self._close_writers()
         try:
             return [SharedWeightWriter(layout) for layout in layouts]
-        except FileNotFoundError:  # loopback into another network namespace or container
+        except FileNotFoundError:  # loopback into another PID namespace or container
             return None
 
     def _close_writers(self) -> None:
