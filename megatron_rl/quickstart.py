@@ -8,14 +8,16 @@ on questions SFT never answered (the rule judge and the rule rubric) → HF expo
 evaluation of the untrained, SFT and RL models → `report.md`, curves and the trajectory viewer.
 `--rl-seeds N` repeats the RL stage at N seeds from the same SFT checkpoint.
 
-Every stage leaves an artifact and a line (its command) in `<out>/stages.json`; a re-run skips
-the stages already done with the same command. A stage whose command changed (another budget),
-or whose artifact is gone, runs again, and so does every stage after it. `--smoke` shrinks every
+Every stage leaves an artifact and a line (its command, and for `train` / `sft` a digest of
+its recipe with the overrides) in `<out>/stages.json`; a re-run skips the stages already done
+with the same command. A stage whose command or recipe changed (another budget), or whose
+artifact is gone, runs again, and so does every stage after it. `--smoke` shrinks every
 budget to an end-to-end check of a couple of minutes (what `make test` runs).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.config.loader import deep_merge, parse_overrides, read_yaml, resolve_recipe
 from megatron_rl.report import write_report
 
 
@@ -249,6 +252,16 @@ def _resolve(argv: list[str], out: Path) -> list[str]:
 
 
 Runner = Callable[[list[str]], int]  # runs one `megatron-rl` command line → its exit code
+RECIPE_COMMANDS = ("train", "sft")
+
+
+def config_digest(argv: list[str]) -> str | None:
+    """A recipe command's recipe file merged with its overrides, hashed: an edited recipe makes
+    its stage run again although the command line is the same. None for other commands."""
+    if len(argv) < 2 or argv[0] not in RECIPE_COMMANDS or argv[1].startswith("-"):
+        return None
+    merged = deep_merge(read_yaml(resolve_recipe(argv[1])), parse_overrides(argv[2:]))
+    return hashlib.sha256(json.dumps(merged, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def in_subprocess(argv: list[str]) -> int:
@@ -261,14 +274,15 @@ def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess) -> dic
     again = False  # once a stage runs again, every later one does: it may read its output
     for i, stage in enumerate(todo, 1):
         argv = _resolve(stage.argv, out)
+        digest = config_digest(argv)
         done = state.get(stage.name)
         if done and stage.artifact.exists() and not again:
-            if done.get("argv") == argv:
+            if done.get("argv") == argv and done.get("config") == digest:
                 print(f"[quickstart] {i}/{len(todo)} {stage.name}: done "
                       f"({done['seconds']:.0f}s, earlier run)", flush=True)
                 continue
-            print(f"[quickstart] {i}/{len(todo)} {stage.name}: its command changed since the "
-                  "earlier run; running it and the stages after it again", flush=True)
+            print(f"[quickstart] {i}/{len(todo)} {stage.name}: its command or recipe changed "
+                  "since the earlier run; running it and the stages after it again", flush=True)
         again = again or done is not None
         print(f"[quickstart] {i}/{len(todo)} {stage.name}\n$ megatron-rl {' '.join(argv)}",
               flush=True)
@@ -277,7 +291,8 @@ def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess) -> dic
         if rc != 0:
             raise RuntimeError(f"stage {stage.name} failed (exit code {rc}); fix it and re-run "
                                "to continue from this stage")
-        state[stage.name] = {"seconds": round(time.perf_counter() - t0, 1), "argv": argv}
+        state[stage.name] = {"seconds": round(time.perf_counter() - t0, 1), "argv": argv,
+                             "config": digest}
         log.write_text(json.dumps(state, indent=1))
     return state
 

@@ -212,3 +212,29 @@ def test_a_rerun_redoes_a_stage_whose_command_changed_and_every_stage_after_it(t
     assert ran[5:] == ["c"]                    # a lost artifact: that stage again
     state = json.loads((tmp_path / "stages.json").read_text())
     assert state["b"]["argv"] == ["b", "train.steps=2"]
+
+
+def test_a_rerun_redoes_a_train_stage_whose_recipe_file_changed(tmp_path):
+    """Same command line, edited recipe (the quickstart's own RL recipe gained dynamic
+    sampling this way): the stage and the ones after it run again."""
+    recipe = tmp_path / "rl.yaml"
+    recipe.write_text("rl:\n  sampling:\n    dynamic_sampling: false\n")
+    ran: list[str] = []
+
+    def runner(argv: list[str]) -> int:
+        ran.append(argv[0])
+        (tmp_path / argv[0]).write_text(" ".join(argv))
+        return 0
+
+    todo = [q.Stage("train", ["train", str(recipe), "train.steps=2"], tmp_path / "train"),
+            q.Stage("eval", ["eval", "--model-dir", "x"], tmp_path / "eval")]
+    q.run_stages(tmp_path, todo, runner)
+    q.run_stages(tmp_path, todo, runner)
+    assert ran == ["train", "eval"]
+    recipe.write_text("rl:\n  sampling:\n    dynamic_sampling: true\n")
+    q.run_stages(tmp_path, todo, runner)
+    assert ran[2:] == ["train", "eval"]
+    # the overrides are merged into what is hashed
+    assert q.config_digest(["train", str(recipe)]) != q.config_digest(
+        ["train", str(recipe), "rl.sampling.dynamic_sampling=false"])
+    assert q.config_digest(["eval", "--model-dir", "x"]) is None
