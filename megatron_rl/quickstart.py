@@ -277,7 +277,8 @@ def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess) -> dic
         digest = config_digest(argv)
         done = state.get(stage.name)
         if done and stage.artifact.exists() and not again:
-            if done.get("argv") == argv and done.get("config") == digest:
+            # a record from before digests were kept ("config" absent) matches on argv alone
+            if done.get("argv") == argv and done.get("config", digest) == digest:
                 print(f"[quickstart] {i}/{len(todo)} {stage.name}: done "
                       f"({done['seconds']:.0f}s, earlier run)", flush=True)
                 continue
