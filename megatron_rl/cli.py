@@ -245,8 +245,10 @@ def _train(args: argparse.Namespace) -> int:
             print(f"[megatron-rl] {line}", flush=True)
         rows = train(cfg, group)
     if rows:
-        print(f"[megatron-rl] pass rate {rows[0]['rollout/pass_rate']:.3f} -> "
-              f"{rows[-1]['rollout/pass_rate']:.3f} over {len(rows)} steps; "
+        # over every group sampled: dynamic sampling may keep none in a step
+        rate = "rollout/sampled_outcome_mean"
+        print(f"[megatron-rl] sampled pass rate {rows[0][rate]:.3f} -> "
+              f"{rows[-1][rate]:.3f} over {len(rows)} steps; "
               f"curves and trajectories in {cfg.train.output_dir}/")
     return 0
 

@@ -51,10 +51,13 @@ def sft_config(cfg: Config) -> Config:
 
 def _rl(cfg: Config, group: SPMDGroup, out: Path, init_from: str | None) -> dict[str, Any]:
     rows = train(_with(cfg, out, init_from), group)
-    return {"rl/steps": len(rows), "rl/pass_rate_first": rows[0]["rollout/pass_rate"],
-            "rl/pass_rate_last": rows[-1]["rollout/pass_rate"],
-            "rl/reward_first": rows[0]["reward/outcome_mean"],
-            "rl/reward_last": rows[-1]["reward/outcome_mean"]}
+    # over every group sampled (a step whose groups dynamic sampling all dropped has no kept
+    # trajectory, so no rollout/pass_rate or reward/outcome_mean)
+    rate = "rollout/sampled_outcome_mean"
+    return {"rl/steps": len(rows), "rl/pass_rate_first": rows[0][rate],
+            "rl/pass_rate_last": rows[-1][rate],
+            "rl/reward_first": rows[0].get("reward/outcome_mean", rows[0][rate]),
+            "rl/reward_last": rows[-1].get("reward/outcome_mean", rows[-1][rate])}
 
 
 def _sft(cfg: Config, group: SPMDGroup, out: Path, data: Path,

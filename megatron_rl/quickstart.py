@@ -345,7 +345,8 @@ def _seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
 def _mean_rate(rows: list[dict[str, Any]]) -> str:
     """Over every group a step sampled (dynamic sampling's dropped ones too): the kept groups'
     `rollout/pass_rate` is near 0.5 by construction."""
-    rates = [r.get("rollout/sampled_outcome_mean", r["rollout/pass_rate"]) for r in rows]
+    rates = [r.get("rollout/sampled_outcome_mean", r.get("rollout/pass_rate", 0.0))
+             for r in rows]
     return f"{sum(rates) / max(len(rates), 1):.3f}"
 
 

@@ -79,6 +79,15 @@ def policy_update_steps(actor: Any, batch: TokenBatch, loss: PolicyLossConfig,
     return steps, metrics
 
 
+def skipped_step(actor: Any) -> dict[str, float]:
+    """A run step that trains nothing (no trained token, or no group left after dynamic
+    sampling) still counts, as a skipped optimizer step does: checkpoints and HF exports are
+    named by the run's step."""
+    actor.step += 1
+    return {"skipped": 1.0, "loss": 0.0, "grad_norm": 0.0, "num_tokens": 0.0,
+            "step": float(actor.step)}
+
+
 def policy_update(actor: Any, batch: TokenBatch, loss: PolicyLossConfig,
                   tis: TISConfig | None = None, reference: Any = None, *,
                   mini_batches: int = 1, epochs: int = 1, rows_multiple: int = 1
@@ -90,9 +99,7 @@ def policy_update(actor: Any, batch: TokenBatch, loss: PolicyLossConfig,
     takes no step: its only gradient would be the MoE auxiliary loss, scaled by a token count
     of zero."""
     if not batch.loss_mask.any():
-        actor.step += 1  # still a step of the run (as a skipped optimizer step is)
-        return {"skipped": 1.0, "loss": 0.0, "grad_norm": 0.0, "num_tokens": 0.0,
-                "step": float(actor.step)}
+        return skipped_step(actor)
     steps, metrics = policy_update_steps(actor, batch, loss, tis, reference,
                                          mini_batches=mini_batches, epochs=epochs,
                                          rows_multiple=rows_multiple)

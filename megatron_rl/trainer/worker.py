@@ -18,7 +18,7 @@ from megatron_rl.checkpoint.training_checkpoint import (
 from megatron_rl.config.schema import Config
 from megatron_rl.records.batch import TokenBatch
 from megatron_rl.trainer.actor import MegatronActor
-from megatron_rl.trainer.policy_update import policy_update
+from megatron_rl.trainer.policy_update import policy_update, skipped_step
 from megatron_rl.trainer.reference import ReferencePolicy
 from megatron_rl.trainer.weight_sync import WeightSyncer, gatherer_for
 
@@ -102,9 +102,11 @@ class TrainerWorker:
     def onload(self) -> dict[str, float]:
         return self.actor.onload().metrics()
 
-    def update(self, batch: TokenBatch, entropy_coef: float) -> dict[str, float]:
-        """One run step's policy update; `entropy_coef` comes from the driver (EntroPIC may
-        move it away from `rl.loss.entropy_coef`)."""
+    def update(self, batch: TokenBatch | None, entropy_coef: float) -> dict[str, float]:
+        """One run step's policy update (None: nothing to train on this step); `entropy_coef`
+        comes from the driver (EntroPIC may move it away from `rl.loss.entropy_coef`)."""
+        if batch is None:
+            return skipped_step(self.actor)
         if self.actor.offloaded:
             raise RuntimeError("TrainerWorker.update while the actor is offloaded: onload "
                                "first (engines/colocation.py gives the order)")
