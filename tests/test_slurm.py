@@ -99,10 +99,17 @@ def slurm(tmp_path_factory):
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _job(env: dict[str, str], job_id: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True,
-                         text=True, check=True).stdout
-    return dict(re.findall(r"(\w+)=(\S+)", out))
+def _job(env: dict[str, str], job_id: str, timeout_s: float = 30.0) -> dict[str, str]:
+    """The job's record once it has left COMPLETING (`sbatch --wait` can return while the
+    nodes still run the job's epilogue)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True,
+                             text=True, check=True).stdout
+        job = dict(re.findall(r"(\w+)=(\S+)", out))
+        if job.get("JobState") != "COMPLETING" or time.monotonic() > deadline:
+            return job
+        time.sleep(0.5)
 
 
 def _daemons_only(env: dict[str, str], timeout_s: float = 20.0) -> list[str]:
