@@ -144,7 +144,7 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
             # colocated: engines release → trainer onload → update → trainer offload →
             # engine weights → sync → engine KV cache (engines/colocation.py)
             times: dict[str, float] = {}
-            update = _timed(times, "train", trainer.call, "update", batch or None, coef)
+            update = _timed(times, "train", trainer.call, "update", batch, coef)
             metrics.update(engines.update_and_sync(
                 loop, update, _timed(times, "sync", trainer.call, "sync", step + 1),
                 onload=_timed(times, "onload", trainer.call, "onload") if colocated else None,

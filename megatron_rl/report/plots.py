@@ -3,7 +3,7 @@
 
 | file | metrics (those the run wrote) |
 |---|---|
-| `reward_accuracy.png` | `reward/outcome_mean`, `rollout/sampled_outcome_mean`, `…pass_rate`, eval|
+| `reward_accuracy.png` | `reward/outcome_mean`, `…/sampled_outcome_mean`, `…/pass_rate`, eval |
 | `reward_per_role.png` | `reward/<role>_mean`, `reward/<role>_std`, `reward/<role>/<key>_mean` |
 | `tool_calls.png` | `tools/calls_mean`, `tools/<name>_calls`, `tools/<name>_error_rate`, turns |
 | `abnormal.png` | env / model failure and ok rates, each label's rate that is ever non-zero |

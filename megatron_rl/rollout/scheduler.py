@@ -43,8 +43,6 @@ class StepRollouts:
     cancelled_prompts: int = 0     # still running when the step had enough; requeued
     resumed_samples: int = 0       # sessions continued from a committed prefix
     judge_seconds: float = 0.0     # summed over groups (they are judged concurrently)
-    sampled_outcomes: list[float] = field(default_factory=list)  # every finished group's,
-                                   # dropped ones too: the policy's own rate under filtering
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -176,6 +174,7 @@ class RolloutScheduler:
         need = self.cfg.groups_per_step
         out = StepRollouts([])
         kept: list[tuple[int, list[Trajectory]]] = []
+        sampled: list[float] = []  # the outcomes of every group that finished
         running: dict[asyncio.Task, PendingGroup] = {}
         engine = StepRequests(self.engine)
 
@@ -195,7 +194,7 @@ class RolloutScheduler:
                     group = running.pop(task)
                     self.forest.release(group.prompt.uid)
                     trajs = task.result()
-                    out.sampled_outcomes += [t.rewards.get("outcome", 0.0) for t in trajs]
+                    sampled += [t.rewards.get("outcome", 0.0) for t in trajs]
                     if len(kept) < need and self._keep(trajs):
                         kept.append((group.order, trajs))
                     elif len(kept) < need:
@@ -224,8 +223,8 @@ class RolloutScheduler:
                        "rollout/cancelled_prompts": out.cancelled_prompts,
                        "rollout/resumed_samples": out.resumed_samples,
                        "time/judge": out.judge_seconds,
-                       "rollout/sampled_outcome_mean": (sum(out.sampled_outcomes)
-                                                        / max(len(out.sampled_outcomes), 1)),
+                       # every finished group's, dropped ones too: the policy's own rate
+                       "rollout/sampled_outcome_mean": sum(sampled) / max(len(sampled), 1),
                        **self.forest.metrics}
         return out
 
