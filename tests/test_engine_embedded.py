@@ -26,7 +26,13 @@ from safetensors.torch import load_file
 from megatron_rl.engines import embedded_core
 from megatron_rl.engines.base import EngineError, GenerateRequest, SamplingParams
 from megatron_rl.engines.embedded import EmbeddedServer
-from megatron_rl.engines.embedded_core import EmbeddedCore, Sampling, Seq, prefill_buckets
+from megatron_rl.engines.embedded_core import (
+    EmbeddedCore,
+    Sampling,
+    Seq,
+    draw_tokens,
+    prefill_buckets,
+)
 from megatron_rl.engines.http_client import HttpEngine
 from megatron_rl.engines.sglang_schema import TypeChecker
 from megatron_rl.engines.tensors import encode_safetensors
@@ -173,6 +179,32 @@ def test_seeded_sampling_is_reproducible(server) -> None:
     top = run(generate(server.url, GenerateRequest("s5", PROMPTS[1], greedy(20))))[0].output_ids
     assert sample(None, "s6", top_k=1) == top
     assert sample(None, "s7", top_p=1e-6) == top
+
+
+def test_sampled_tokens_follow_the_softmax_and_its_truncations() -> None:
+    """The sampler without a sort (no top-k/top-p) and with one draw what the softmax says."""
+    n = 6000
+    probs = torch.softmax(torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")]) / 0.7, -1)
+
+    def freq(**kw: Any) -> torch.Tensor:
+        gens = [torch.Generator().manual_seed(i) for i in range(n)]
+        toks = draw_tokens(probs.expand(n, -1), [Sampling(temperature=0.7, **kw)] * n, gens)
+        return torch.bincount(toks, minlength=6) / n
+
+    free = freq(top_k=-1)
+    assert (free - probs).abs().max() < 0.025 and free[5] == 0  # p = 0: never
+    top2 = freq(top_k=2)
+    assert (top2[:2] - probs[:2] / probs[:2].sum()).abs().max() < 0.025 and top2[2:].sum() == 0
+    # top-p: the smallest prefix whose mass reaches 0.8 (p[0] = 0.66 alone does not)
+    assert probs[0] < 0.8 <= probs[:2].sum()
+    assert freq(top_p=0.8)[2:].sum() == 0
+    # a row of the batch draws from its own generator: the same token alone or among others
+    mixed = [Sampling(temperature=0.7, top_k=2 if i % 2 else 6) for i in range(8)]
+    together = draw_tokens(probs.expand(8, -1), mixed, [torch.Generator().manual_seed(i)
+                                                          for i in range(8)])
+    alone = [draw_tokens(probs[None], [sp], [torch.Generator().manual_seed(i)])[0]
+             for i, sp in enumerate(mixed)]
+    assert together.tolist() == [int(t) for t in alone]
 
 
 def test_concurrent_requests_match_their_sequential_results(server) -> None:
