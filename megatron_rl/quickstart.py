@@ -96,21 +96,54 @@ class Stage:
     artifact: Path                        # it exists once the stage is done
 
 
-def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
-    """The stage list; `react`: ReAct demonstrations join the SFT set too (the ablation's
-    ReAct variant needs them; they are ~3x longer sequences than IterSynth's)."""
+def _teacher_stages(out: Path, name: str, agent: str, questions: Path, min_depth: int
+                    ) -> list[Stage]:
+    """Oracle demonstrations of `agent` on `questions` through the real tools, then the filters:
+    `<out>/teacher/<name>.kept.jsonl`."""
+    t, index, tok = out / "teacher", out / "world/index", out / "tokenizer"
+    return [Stage(f"teacher-{name}", [
+                "data", "teacher", "--agent", agent, "--questions", str(questions),
+                "--index", str(index), "--tokenizer", str(tok), *AGENT_ARGS,
+                "--out", str(t / f"{name}.jsonl")], t / f"{name}.jsonl"),
+            Stage(f"filter-{name}", [
+                "data", "filter", str(t / f"{name}.jsonl"), str(t / f"{name}.kept.jsonl"),
+                "--min-depth", str(min_depth), "--report", str(t / f"filter-{name}.json")],
+                t / f"{name}.kept.jsonl")]
+
+
+def _sft_stage(out: Path, name: str, run: Path, demos: tuple[str, str], seed: int,
+               b: Budget) -> Stage:
+    """SFT into `run` from the pre-trained checkpoint on the kept demonstrations `demos`
+    (2-hop, one-hop): the 2-hop ones listed `TWO_HOP_REPEATS` times."""
+    t = out / "teacher"
+    two_hop, one_hop = (str(t / f"{d}.kept.jsonl") for d in demos)
+    kept = [*[two_hop] * TWO_HOP_REPEATS, one_hop]
+    return Stage(name, [
+        "sft", "tiny-moe-sft-cpu", f"model.hf_path={out / 'model'}",
+        f"checkpoint.init_from={out / 'pretrain/checkpoints'}",
+        "model.seq_length=1536", f"sft.train_files=[{','.join(kept)}]",
+        f"sft.val_files=[{t / 'held_out.jsonl'}]", "sft.eval_every=20",
+        "sft.eval_sequences=64", f"train.steps={b.sft_steps}",
+        "train.global_batch_size=16", *SFT_OPTIM, f"sft.copy_loss_weight={SFT_COPY_WEIGHT}",
+        "train.max_tokens_per_microbatch=4096", f"train.seed={seed}",
+        f"train.output_dir={run}", f"checkpoint.dir={run / 'checkpoints'}",
+        "checkpoint.save_every=0", "checkpoint.export_hf=true"], run / "hf")
+
+
+def _eval_args(out: Path, b: Budget, agent: str = "itersynth") -> list[str]:
+    return ["--agent", agent, "--questions", str(out / "questions/held_out.parquet"),
+            "--index", str(out / "world/index"), "--max-turns", "12", "--max-new-tokens", "160",
+            "--temperature", "0", *AGENT_ARGS,
+            *(["--limit", str(b.eval_questions)] if b.eval_questions else [])]
+
+
+def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
+    """The main path: the IterSynth agent from world to held-out evaluation."""
     w, q, t = out / "world", out / "questions", out / "teacher"
     index, model, tok = w / "index", out / "model", out / "tokenizer"
     held_out, rl_questions = q / "held_out.parquet", q / "rl.parquet"
-    agents = ("itersynth", "react") if react else ("itersynth",)
-    ev = ["--agent", "itersynth", "--questions", str(held_out), "--index", str(index),
-          "--max-turns", "12", "--max-new-tokens", "160", "--temperature", "0",
-          *AGENT_ARGS,
-          *(["--limit", str(b.eval_questions)] if b.eval_questions else [])]
+    ev = _eval_args(out, b)
     one_hop = q / "one_hop"
-    demos = [*agents, "one-hop"]
-    kept = [str(t / f"{name}.kept.jsonl")
-            for name in demos for _ in range(TWO_HOP_REPEATS if name != "one-hop" else 1)]
     out_list = [
         Stage("world", ["data", "world", "--pages", str(b.pages), "--seed", str(seed),
                         "--out", str(w / "corpus.parquet"), "--index", str(index)],
@@ -132,22 +165,12 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
                             "--title-tokens"], tok),
         Stage("model", ["convert", "init-hf", "--model", MODEL, "--tokenizer", str(tok),
                         "--out", str(model), "--seed", str(seed), *INIT], model),
-    ]
-    for name in demos:
-        questions = one_hop / "train.parquet" if name == "one-hop" else q / "train.parquet"
-        out_list.append(Stage(f"teacher-{name}", [
-            "data", "teacher", "--agent", "itersynth" if name == "one-hop" else name,
-            "--questions", str(questions), "--index", str(index), "--tokenizer", str(tok),
-            *AGENT_ARGS, "--out", str(t / f"{name}.jsonl")], t / f"{name}.jsonl"))
-        out_list.append(Stage(f"filter-{name}", [
-            "data", "filter", str(t / f"{name}.jsonl"), str(t / f"{name}.kept.jsonl"),
-            "--min-depth", "1" if name == "one-hop" else "2",
-            "--report", str(t / f"filter-{name}.json")], t / f"{name}.kept.jsonl"))
-    out_list.append(Stage("teacher-held-out", [
-        "data", "teacher", "--agent", "itersynth", "--questions", str(held_out),
-        "--index", str(index), "--tokenizer", str(tok), *AGENT_ARGS,
-        "--out", str(t / "held_out.jsonl")], t / "held_out.jsonl"))
-    out_list += [
+        *_teacher_stages(out, "itersynth", "itersynth", q / "train.parquet", 2),
+        *_teacher_stages(out, "one-hop", "itersynth", one_hop / "train.parquet", 1),
+        Stage("teacher-held-out", [
+            "data", "teacher", "--agent", "itersynth", "--questions", str(held_out),
+            "--index", str(index), "--tokenizer", str(tok), *AGENT_ARGS,
+            "--out", str(t / "held_out.jsonl")], t / "held_out.jsonl"),
         Stage("pretrain", ["sft", "tiny-moe-sft-cpu", f"model.hf_path={model}",
                            f"model.seq_length={PRETRAIN_SEQ}", "sft.format=text",
                            f"sft.train_files=[{w / 'corpus.parquet'}]", *SFT_OPTIM,
@@ -158,17 +181,7 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
                            f"checkpoint.dir={out / 'pretrain/checkpoints'}",
                            "checkpoint.save_every=0", "checkpoint.export_hf=false"],
               out / "pretrain/checkpoints"),
-        Stage("sft", ["sft", "tiny-moe-sft-cpu", f"model.hf_path={model}",
-                      f"checkpoint.init_from={out / 'pretrain/checkpoints'}",
-                      "model.seq_length=1536", f"sft.train_files=[{','.join(kept)}]",
-                      f"sft.val_files=[{t / 'held_out.jsonl'}]", "sft.eval_every=20",
-                      "sft.eval_sequences=64", f"train.steps={b.sft_steps}",
-                      "train.global_batch_size=16", *SFT_OPTIM,
-                      f"sft.copy_loss_weight={SFT_COPY_WEIGHT}",
-                      "train.max_tokens_per_microbatch=4096", f"train.seed={seed}",
-                      f"train.output_dir={out / 'sft'}",
-                      f"checkpoint.dir={out / 'sft/checkpoints'}", "checkpoint.save_every=0",
-                      "checkpoint.export_hf=true"], out / "sft/hf"),
+        _sft_stage(out, "sft", out / "sft", ("itersynth", "one-hop"), seed, b),
         Stage("rl", ["train", "tiny-moe-rdpo-cpu", f"model.hf_path={model}",
                      f"checkpoint.init_from={out / 'sft/checkpoints'}",
                      f"data.train_files=[{rl_questions}]",
@@ -194,12 +207,18 @@ def stages(out: Path, seed: int, b: Budget, react: bool = False) -> list[Stage]:
     return out_list
 
 
-# quickstart --ablation: the same SFT start, budget and seed; only the RL method changes
+# quickstart --ablation: the same budget and seed; only the RL method changes. The IterSynth
+# variants start from the main SFT checkpoint; ReAct from its own SFT on ReAct demonstrations of
+# the same questions (same pre-training and budget), so the main path's SFT never changes.
 ABLATION = {
     "grpo": ["rl.reward_manager=grpo", "rl.rubric={}"],
     "rdpo_mixed": ["rl.reward_manager=rdpo_mixed"],
     "react_grpo": ["rl.agent=react", "rl.reward_manager=grpo", "rl.rubric={}"],
 }
+REACT_SFT = "ablation/sft_react"
+ABLATION_ROWS = (("sft", "none (SFT, itersynth)"), ("rl", "rdpo (itersynth)"),
+                 ("grpo", "grpo (itersynth)"), ("rdpo_mixed", "rdpo_mixed (itersynth)"),
+                 ("sft_react", "none (SFT, react)"), ("react_grpo", "grpo (react)"))
 
 
 def rl_variant(out: Path, main: list[Stage], name: str, overrides: list[str],
@@ -212,20 +231,35 @@ def rl_variant(out: Path, main: list[Stage], name: str, overrides: list[str],
                                                           for o in overrides})
     argv = [a for a in rl.argv if not a.startswith(replaced)]
     label = name.rsplit("/", 1)[-1]
-    eargv = list(ev.argv)
-    eargv[eargv.index("--model-dir") + 1] = f"{{{name}/hf}}"
-    eargv[eargv.index("--agent") + 1] = agent
-    eargv[eargv.index("--out") + 1] = str(out / f"eval/{label}")
     return [Stage(f"rl-{label}", [*argv, *overrides, f"train.output_dir={run}",
                                   f"checkpoint.dir={run / 'checkpoints'}"], run / "hf"),
-            Stage(f"eval-{label}", eargv, out / f"eval/{label}/summary.json")]
+            _eval_stage(out, ev, label, f"{{{name}/hf}}", agent)]
 
 
-def ablation_stages(out: Path, main: list[Stage]) -> list[Stage]:
-    """One RL run and its held-out eval per variant; RDPO itself is the main run."""
-    return [stage for name, overrides in ABLATION.items()
-            for stage in rl_variant(out, main, f"ablation/{name}", overrides,
-                                    "react" if "rl.agent=react" in overrides else "itersynth")]
+def _eval_stage(out: Path, like: Stage, label: str, model_dir: str, agent: str) -> Stage:
+    """`like` (an eval stage) for another model and agent, into `eval/<label>`."""
+    argv = list(like.argv)
+    argv[argv.index("--model-dir") + 1] = model_dir
+    argv[argv.index("--agent") + 1] = agent
+    argv[argv.index("--out") + 1] = str(out / f"eval/{label}")
+    return Stage(f"eval-{label}", argv, out / f"eval/{label}/summary.json")
+
+
+def ablation_stages(out: Path, main: list[Stage], seed: int, b: Budget) -> list[Stage]:
+    """One RL run and its held-out eval per variant (RDPO itself is the main run); before
+    them, the ReAct demonstrations, their SFT and its eval."""
+    q = out / "questions"
+    ev = next(s for s in main if s.name == "eval-sft")
+    react = [*_teacher_stages(out, "react", "react", q / "train.parquet", 2),
+             *_teacher_stages(out, "react-one-hop", "react", q / "one_hop/train.parquet", 1),
+             _sft_stage(out, "sft-react", out / REACT_SFT, ("react", "react-one-hop"), seed, b),
+             _eval_stage(out, ev, "sft_react", f"{{{REACT_SFT}/hf}}", "react")]
+    for name, overrides in ABLATION.items():
+        agent = "react" if "rl.agent=react" in overrides else "itersynth"
+        if agent == "react":
+            overrides = [*overrides, f"checkpoint.init_from={out / REACT_SFT / 'checkpoints'}"]
+        react += rl_variant(out, main, f"ablation/{name}", overrides, agent)
+    return react
 
 
 def seed_runs(rl_seeds: int) -> list[str]:
@@ -364,10 +398,10 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int =
     head = ["| model | pass@1 | questions | tool calls / question | context tokens / episode |",
             "|---|---|---|---|---|"]
     if ablation:
-        rows += ["", "## Ablation (same SFT start, budget and seed)", "", *head,
-                 _eval_row(out, "rl").replace("| rl |", "| rdpo (itersynth) |"),
-                 *[_eval_row(out, name) if (out / f"eval/{name}/summary.json").is_file()
-                   else f"| {name} | not run | | | |" for name in ABLATION]]
+        rows += ["", "## Ablation (same budget and seed; ReAct from its own SFT)", "", *head,
+                 *[_eval_row(out, name).replace(f"| {name} |", f"| {label} |")
+                   if (out / f"eval/{name}/summary.json").is_file()
+                   else f"| {label} | not run | | | |" for name, label in ABLATION_ROWS]]
     sft = [json.loads(x) for x in (out / "sft/metrics.jsonl").read_text().splitlines()]
     rl = [json.loads(x) for x in (out / "rl/metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/loss"] for r in sft if "eval/loss" in r]
@@ -409,9 +443,10 @@ def quickstart(out: Path, seed: int = 0, smoke: bool = False, ablation: bool = F
     if rl_seeds < 1:
         raise ValueError(f"rl_seeds={rl_seeds}: at least 1")
     out.mkdir(parents=True, exist_ok=True)
-    main = stages(out, seed, SMOKE if smoke else FULL, react=ablation)
-    extra = seed_stages(out, main, seed, rl_seeds) + (ablation_stages(out, main)
-                                                      if ablation else [])
+    budget = SMOKE if smoke else FULL
+    main = stages(out, seed, budget)
+    extra = seed_stages(out, main, seed, rl_seeds) + (
+        ablation_stages(out, main, seed, budget) if ablation else [])
     state = run_stages(out, main + extra, run)
     path = report(out, state, ablation, seed, rl_seeds, frozenset(s.name for s in extra))
     print(f"[quickstart] report: {path}", flush=True)

@@ -238,3 +238,35 @@ def test_a_rerun_redoes_a_train_stage_whose_recipe_file_changed(tmp_path):
     assert q.config_digest(["train", str(recipe)]) != q.config_digest(
         ["train", str(recipe), "rl.sampling.dynamic_sampling=false"])
     assert q.config_digest(["eval", "--model-dir", "x"]) is None
+
+
+def test_the_ablation_leaves_the_main_path_alone_and_react_gets_its_own_sft(tmp_path):
+    """`--ablation` adds runs after the main path: its SFT (and so every number of the main
+    table) is the same with or without it; the ReAct variant starts from an SFT on ReAct
+    demonstrations of the same questions, the IterSynth variants from the main SFT."""
+    main = q.stages(tmp_path, 0, q.FULL)
+    extra = q.ablation_stages(tmp_path, main, 0, q.FULL)
+    by_name = {s.name: s for s in main + extra}
+    assert len(by_name) == len(main) + len(extra)       # no stage name twice
+    sft, react_sft = by_name["sft"], by_name["sft-react"]
+    files = {s: next(a for a in by_name[s].argv if a.startswith("sft.train_files="))
+             for s in ("sft", "sft-react")}
+    assert "react" not in files["sft"] and files["sft"].count("itersynth.kept") == 3
+    assert files["sft-react"].count("react.kept") == 3 and "react-one-hop.kept" in files[
+        "sft-react"] and "itersynth" not in files["sft-react"]
+    # same budget and start: the two SFT commands differ only in their data and folders
+    differ = {a.split("=", 1)[0] for a in set(sft.argv) ^ set(react_sft.argv)}
+    assert differ == {"sft.train_files", "train.output_dir", "checkpoint.dir"}
+
+    def init(stage: str) -> str:
+        return next(a for a in by_name[stage].argv if a.startswith("checkpoint.init_from="))
+
+    assert init("rl-react_grpo").endswith("ablation/sft_react/checkpoints")
+    assert init("rl-grpo") == init("rl-rdpo_mixed") == init("rl")
+    assert by_name["rl-react_grpo"].argv.count(init("rl-react_grpo")) == 1
+    assert by_name["eval-react_grpo"].argv[by_name["eval-react_grpo"].argv.index("--agent")
+                                           + 1] == "react"
+    # the stages' order: each reads only what an earlier one wrote
+    names = [s.name for s in main + extra]
+    assert names.index("sft-react") > names.index("filter-react-one-hop")
+    assert names.index("rl-react_grpo") > names.index("sft-react")
