@@ -101,7 +101,9 @@ def main() -> None:
         print(f"{transport:22s} {secs:8.2f} {rate / 1e6:8.0f} {rate / memcpy:9.3f} "
               f"{s.gather_s:7.2f} {s.convert_s:8.2f} {s.transfer_s:9.2f}"
               + (f"  (write {s.extra['write_s']:.2f}, flip {s.extra['flip_s']:.3f})"
-                 if "write_s" in s.extra else ""))
+                 if "write_s" in s.extra else "")
+              + (f"  (phases overlap: {s.gather_s + s.convert_s + s.transfer_s:.2f} s of "
+                 f"work in {s.wall_s:.2f} s)" if s.wall_s is not None else ""))
     steady = {t: s.bytes / secs / memcpy for t, secs, s in rows if t.endswith("(steady)")}
     best = max(steady, key=steady.get)
     emit(f"weight sync / memcpy, steady ({best.split()[0]})", steady[best], 0.8)

@@ -50,3 +50,36 @@ def test_engine_matches_trainer_after_sync(case, initial, tmp_path):
     assert set(r["before"][2]) == {6 if one else 0}
     assert stale > 1e-3  # the step moved the weights: the test can see a missed sync
     assert mismatch <= TOL
+
+
+def test_the_next_bucket_is_gathered_while_the_current_one_is_sent():
+    """The bucketed transports' look-ahead: producing item k+1 (the gather's reductions in a
+    worker thread) starts before the caller has finished sending item k, items keep their
+    order, and one `next` runs at a time."""
+    import asyncio
+    import threading
+
+    import torch
+
+    from megatron_rl.trainer.weight_sync import _Ahead
+
+    started = [threading.Event() for _ in range(4)]
+    busy = threading.Lock()
+
+    def produce():
+        for k in range(4):
+            assert busy.acquire(blocking=False), "two `next` calls at once"
+            started[k].set()
+            busy.release()
+            yield k
+
+    async def consume() -> list[int]:
+        got, ahead = [], _Ahead(torch.device("cpu"))
+        async for k in ahead(produce()):
+            if k < 3:  # while "sending" k, the producer has already started k + 1
+                assert await asyncio.to_thread(started[k + 1].wait, 10), f"no overlap at {k}"
+            got.append(k)
+        assert ahead.caller_s > 0
+        return got
+
+    assert asyncio.run(consume()) == [0, 1, 2, 3]

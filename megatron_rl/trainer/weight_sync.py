@@ -13,17 +13,20 @@ Transfer. Rank 0 streams the HF tensors, in buckets, to every engine, over one o
                + `/update_weights_from_distributed`; gloo on CPU, NCCL on GPU)
   disk         safetensors shards in a folder + `/update_weights_from_disk`
 Every update carries a `weight_version`; engines stamp it on each token they generate after it.
+On these three the next bucket is gathered and converted in a worker thread while the current
+one is sent (`_ahead`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import datetime
 import functools
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,10 +54,12 @@ class SyncStats:
     bytes: int = 0
     tensors: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    wall_s: float | None = None  # set when the phases overlap (the bucketed transports)
 
     @property
     def seconds(self) -> float:
-        return self.gather_s + self.convert_s + self.transfer_s
+        return (self.gather_s + self.convert_s + self.transfer_s if self.wall_s is None
+                else self.wall_s)
 
 
 def _sharded_tensors(module: torch.nn.Module) -> list:
@@ -323,23 +328,29 @@ class WeightSyncer:
         sent = [0]
         quantize = _counted(sent, self.fp8)
         writers = self._shared_writers() if self.transport == "tensor" else None
+        ahead = _Ahead(self.gatherer.device)
         if writers:
             self.loop.run_until_complete(self._write_shared(writers, tensors, weight_version))
         elif self.transport == "tensor":
-            self.loop.run_until_complete(_push_tensors(self.engines, tensors, weight_version,
-                                                       self.bucket_bytes, quantize))
+            self.loop.run_until_complete(_push_tensors(
+                self.engines, ahead(buckets_with_last(tensors, self.bucket_bytes)),
+                weight_version, quantize))
         elif self.transport == "disk":
-            stream = (kv for bucket in split_buckets(tensors, self.bucket_bytes)
-                      for kv in quantize(bucket))  # streamed: a bucket in memory at a time
-            self.loop.run_until_complete(_push_disk(self.engines, stream, weight_version,
-                                                    self.disk_dir))
+            # streamed: the bucket being written and the one being gathered are in memory
+            self.loop.run_until_complete(_push_disk(
+                self.engines, ahead(split_buckets(tensors, self.bucket_bytes)), weight_version,
+                self.disk_dir, quantize))
         else:
             self.loop.run_until_complete(_push_distributed(
-                self.engines, tensors, weight_version, self.bucket_bytes, self.master_address,
-                self.timeout_s, quantize))
+                self.engines, ahead(buckets_with_last(tensors, self.bucket_bytes)),
+                weight_version, self.master_address, self.timeout_s, quantize))
         stats = self.gatherer.stats
         stats.extra["sent_bytes"] = sent[0]
-        stats.transfer_s = time.perf_counter() - t_start - stats.gather_s - stats.convert_s
+        wall = time.perf_counter() - t_start
+        if writers:
+            stats.transfer_s = wall - stats.gather_s - stats.convert_s
+        else:  # gather and convert ran beside the sends: the phases add up to more than wall
+            stats.transfer_s, stats.wall_s = ahead.caller_s, wall
         return stats
 
     def _shared_writers(self) -> list[SharedWeightWriter] | None:
@@ -438,30 +449,69 @@ def _counted(sent: list[int], fp8: bool = False) -> Callable[[Bucket], Bucket]:
     return send
 
 
-async def _push_tensors(engines: list[HttpEngine], tensors: Iterator, version: int,
-                        bucket_bytes: int, transform: Callable[[Bucket], Bucket]) -> None:
-    for bucket, last in buckets_with_last(tensors, bucket_bytes):
-        bucket = transform(bucket)
-        await asyncio.gather(*(e.update_weights_from_tensors(bucket, version if last else None)
-                               for e in engines))
+_END = object()
 
 
-async def _push_disk(engines: list[HttpEngine], tensors: Iterator, version: int,
-                     disk_dir: str | None) -> None:
+@functools.cache
+def _gather_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-gather")
+
+
+class _Ahead:
+    """Iterates items one ahead: item k+1 is produced in a worker thread (the gather's
+    reductions and the HF conversion of the next bucket) while the caller sends item k. One
+    `next` at a time, so the producer's order and its collectives are unchanged.
+    `caller_s`: the time the caller held items (sending them)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.caller_s = device, 0.0
+
+    def _pull(self, items: Iterator) -> Any:
+        if self.device.type == "cuda":  # the gather's collectives run on the trainer's GPU
+            torch.cuda.set_device(self.device)
+        return next(items, _END)
+
+    async def __call__(self, items: Iterator) -> AsyncIterator:
+        loop = asyncio.get_running_loop()
+        pending = loop.run_in_executor(_gather_thread(), self._pull, items)
+        try:
+            while (item := await pending) is not _END:
+                pending = loop.run_in_executor(_gather_thread(), self._pull, items)
+                t0 = time.perf_counter()
+                yield item
+                self.caller_s += time.perf_counter() - t0
+        finally:  # the caller stopped early: let the thread's `next` finish first
+            if not pending.done():
+                await asyncio.gather(pending, return_exceptions=True)
+
+
+async def _push_tensors(engines: list[HttpEngine], buckets: AsyncIterator, version: int,
+                        transform: Callable[[Bucket], Bucket]) -> None:
+    async with contextlib.aclosing(buckets):
+        async for bucket, last in buckets:
+            bucket = transform(bucket)
+            await asyncio.gather(*(e.update_weights_from_tensors(
+                bucket, version if last else None) for e in engines))
+
+
+async def _push_disk(engines: list[HttpEngine], buckets: AsyncIterator, version: int,
+                     disk_dir: str | None, transform: Callable[[Bucket], Bucket]) -> None:
     from megatron_rl.checkpoint.hf_io import ShardedSafetensorsWriter
 
     root = Path(disk_dir or tempfile.mkdtemp(prefix="weights-"))
     folder = root / f"v{version}"
     folder.mkdir(parents=True, exist_ok=True)
     writer = ShardedSafetensorsWriter(folder)
-    for name, t in tensors:
-        writer.add(name, t)
+    async with contextlib.aclosing(buckets):
+        async for bucket in buckets:
+            for name, t in transform(bucket):
+                writer.add(name, t)
     writer.close()
     await asyncio.gather(*(e.update_weights_from_disk(str(folder), version) for e in engines))
 
 
-async def _push_distributed(engines: list[HttpEngine], tensors: Iterator, version: int,
-                            bucket_bytes: int, master_address: str, timeout_s: float,
+async def _push_distributed(engines: list[HttpEngine], buckets: AsyncIterator, version: int,
+                            master_address: str, timeout_s: float,
                             transform: Callable[[Bucket], Bucket]) -> None:
     """Rank 0 and the engines form their own broadcast group (rank 0 = trainer, engine i =
     rank i + 1); each bucket is announced over HTTP while rank 0 broadcasts it."""
@@ -478,19 +528,20 @@ async def _push_distributed(engines: list[HttpEngine], tensors: Iterator, versio
     pg = await loop.run_in_executor(None, lambda: _broadcast_group(store, world, timeout))
     await asyncio.gather(*joins)
     try:
-        for bucket, last in buckets_with_last(tensors, bucket_bytes):
-            bucket = transform(bucket)
-            announce = [asyncio.create_task(e.update_weights_from_distributed(
-                [n for n, _ in bucket], [t.dtype for _, t in bucket],
-                [list(t.shape) for _, t in bucket], version if last else None,
-                flush_cache=last)) for e in engines]
+        async with contextlib.aclosing(buckets):
+            async for bucket, last in buckets:
+                bucket = transform(bucket)
+                announce = [asyncio.create_task(e.update_weights_from_distributed(
+                    [n for n, _ in bucket], [t.dtype for _, t in bucket],
+                    [list(t.shape) for _, t in bucket], version if last else None,
+                    flush_cache=last)) for e in engines]
 
-            def send(bucket=bucket) -> None:
-                for _, t in bucket:
-                    pg.broadcast(t.contiguous(), 0).wait()
+                def send(bucket=bucket) -> None:
+                    for _, t in bucket:
+                        pg.broadcast(t.contiguous(), 0).wait()
 
-            await loop.run_in_executor(None, send)
-            await asyncio.gather(*announce)
+                await loop.run_in_executor(None, send)
+                await asyncio.gather(*announce)
     finally:
         await asyncio.gather(*(e.destroy_weights_update_group() for e in engines),
                              return_exceptions=True)
