@@ -90,3 +90,23 @@ def test_token_mapping_itersynth_and_react():
                                          _turn("agent", ctx=[1, 2, 3], out=[4])])
     (seq,) = token_advantages(r.sequences(), [0.3, None])  # turn 1 not trained
     assert seq.advantages == [0, 0.3, 0, 0] and seq.loss_mask == [0, 1, 0, 0]
+
+
+def test_a_dropped_group_kept_for_the_synthesizer_trains_only_its_turns():
+    """`rl.sampling.dropped_group_roles=[synthesizer]`: in a group whose outcomes are all equal
+    the Synthesizer's turns are ranked by their rubric scores alone; the Planner's leave the
+    loss, and so do their rows (a row with no trained token is not in the batch)."""
+    from megatron_rl.config.schema import RLConfig
+    from megatron_rl.trainer.batching import rl_batch
+
+    group = [_ps(f"u{i}", "g", 0.0, 0.2 * i, s) for i, s in enumerate((0.9, 0.1, 0.5))]
+    rl = RLConfig(reward_manager="rdpo", rubric_weight=0.5)
+    full, _ = rl_batch(group, rl, seq_length=8, rows_multiple=1)
+    for t in group:
+        t.metadata["trained_roles"] = ["synthesizer"]
+    batch, _ = rl_batch(group, rl, seq_length=8, rows_multiple=1)
+    assert full.rows == 6 and batch.rows == 3           # the planner's three rows are gone
+    adv = [t.metadata["turn_advantages"] for t in group]
+    assert [a[0] for a in adv] == [None, None, None]
+    synth = [a[1] for a in adv]
+    assert synth[0] > synth[2] > synth[1] and sum(synth) == pytest.approx(0.0, abs=1e-6)

@@ -145,3 +145,19 @@ def test_a_request_its_engine_does_not_end_on_abort_is_dropped():
                        SlowEngine)
     out = asyncio.run(asyncio.wait_for(sched.collect(step=0), timeout=10))
     assert out.cancelled_prompts == 1
+
+
+def test_dropped_groups_can_stay_for_some_roles():
+    """`dropped_group_roles`: the groups dynamic sampling drops still come back (after the kept
+    ones, at most `groups_per_step`), marked with the roles whose turns train in them."""
+    sched = _scheduler(["same 1", "mixed 2", "same 3", "mixed 4", "mixed 5"],
+                       SchedulerConfig(samples_per_prompt=4, groups_per_step=2,
+                                       dynamic_sampling=True,
+                                       dropped_group_roles=("synthesizer",)))
+    out = asyncio.run(sched.collect(step=0))
+    assert sorted(g[0].question for g in out.groups) == ["mixed 2", "mixed 4"]
+    assert sorted(g[0].question for g in out.role_groups) == ["same 1", "same 3"]
+    assert all(t.metadata["trained_roles"] == ["synthesizer"] for g in out.role_groups for t in g)
+    assert all("trained_roles" not in t.metadata for g in out.groups for t in g)
+    assert len(out.trajectories) == 16 and out.metrics["rollout/role_groups"] == 2
+    assert out.dropped_groups == 2  # still counted as dropped: they refilled

@@ -494,6 +494,11 @@ class SchedulerConfig:
     oversample: float = bounded(1.0, ge=1.0, help="prompts started per needed group (Iris ~2)")
     dynamic_sampling: bool = bounded(False, help="DAPO: drop zero-variance groups, refill")
     max_refills: int = bounded(4, ge=0, help="refill rounds (x groups_per_step) per step")
+    dropped_group_roles: tuple[str, ...] = bounded(
+        (), help="with dynamic_sampling: roles whose turns still train in the groups it drops "
+        "(all outcomes equal; up to groups_per_step of them a step): a per-role reward "
+        "manager (rdpo) then ranks those turns by their rubric scores alone, e.g. "
+        "[synthesizer], whose extraction is scored against the evidence whatever the outcome")
     partial_rollout: bool = bounded(
         False, help="Iris: cut in-flight sessions at the step boundary and resume them next "
         "step from their committed prefix (rollout forest)")

@@ -40,6 +40,8 @@ from megatron_rl.rollout.forest import RolloutForest
 class StepRollouts:
     groups: list[list[Trajectory]]
     dropped_groups: int = 0        # zero-variance (or all-excluded) groups
+    # dropped groups kept for some roles' turns (`dropped_group_roles`), after `groups`
+    role_groups: list[list[Trajectory]] = field(default_factory=list)
     cancelled_prompts: int = 0     # still running when the step had enough; requeued
     resumed_samples: int = 0       # sessions continued from a committed prefix
     judge_seconds: float = 0.0     # summed over groups (they are judged concurrently)
@@ -47,7 +49,7 @@ class StepRollouts:
 
     @property
     def trajectories(self) -> list[Trajectory]:
-        return [t for g in self.groups for t in g]
+        return [t for g in self.groups + self.role_groups for t in g]
 
 
 @dataclass
@@ -174,6 +176,8 @@ class RolloutScheduler:
         need = self.cfg.groups_per_step
         out = StepRollouts([])
         kept: list[tuple[int, list[Trajectory]]] = []
+        for_roles: list[tuple[int, list[Trajectory]]] = []  # dropped, trained for some roles
+        roles = list(self.cfg.dropped_group_roles) if self.cfg.dynamic_sampling else []
         sampled: list[float] = []  # the outcomes of every group that finished
         running: dict[asyncio.Task, PendingGroup] = {}
         engine = StepRequests(self.engine)
@@ -199,6 +203,10 @@ class RolloutScheduler:
                         kept.append((group.order, trajs))
                     elif len(kept) < need:
                         out.dropped_groups += 1
+                        if roles and len(for_roles) < need:
+                            for t in trajs:  # the other roles' turns leave the loss
+                                t.metadata["trained_roles"] = roles
+                            for_roles.append((group.order, trajs))
                         if refills < self.cfg.max_refills * need:
                             refills += 1
                             launch(1)
@@ -218,7 +226,9 @@ class RolloutScheduler:
             self.requeued.append(group)
             out.cancelled_prompts += 1
         out.groups = [trajs for _, trajs in sorted(kept, key=lambda x: x[0])]
+        out.role_groups = [trajs for _, trajs in sorted(for_roles, key=lambda x: x[0])]
         out.metrics = {"rollout/groups": len(out.groups),
+                       **({"rollout/role_groups": len(out.role_groups)} if roles else {}),
                        "rollout/dropped_groups": out.dropped_groups,
                        "rollout/cancelled_prompts": out.cancelled_prompts,
                        "rollout/resumed_samples": out.resumed_samples,

@@ -84,12 +84,18 @@ def rl_batch(trajectories: Sequence[Trajectory], rl: RLConfig, *, seq_length: in
         rubric_weight=rl.rubric_weight)
     seqs, per_token = [], []
     for traj, advantages in zip(trajectories, per_turn, strict=True):
+        roles = traj.metadata.get("trained_roles")
+        if roles is not None:  # a group dynamic sampling dropped: only these roles train
+            advantages = [a if turn.role in roles else None
+                          for a, turn in zip(advantages, traj.turns, strict=True)]
         # kept with the trajectory: the dump (and the trajectory viewer) shows them per turn
         traj.metadata["turn_advantages"] = [None if a is None else round(float(a), 6)
                                             for a in advantages]
         own = traj.sequences()
-        seqs += own
-        per_token += token_advantages(own, advantages)
+        for seq, adv in zip(own, token_advantages(own, advantages), strict=True):
+            if any(adv.loss_mask):  # a row with no trained token adds nothing but work
+                seqs.append(seq)
+                per_token.append(adv)
     stale = [v for s in seqs for v, m in zip(s.weight_versions, s.loss_mask, strict=True) if m]
     if stale:
         newest = max(stale)
