@@ -251,27 +251,35 @@ def test_synthesizer_that_drops_or_misses_a_fact_scores_lower(world, tools, scor
                           prev), ("v", [page], notes)])
         return scorer.rate(traj)[3]
 
-    keeps = synth(f"Notes: {company} was founded by {founder}, born in {p.answer}.")
+    stated = f"{founder} was born in {p.answer}."  # the page's own sentence
+    assert stated in page.observation
+    keeps = synth(f"Notes: {company} was founded by {founder}. {stated}")
     drops = synth(f"Notes: the founder was born in {p.answer}.")
     misses = synth(f"Notes: {company} was founded by {founder}.")
-    wholesale = synth(f"Notes: {founder} born in {p.answer}. " + page.observation * 6)
+    wholesale = synth(f"Notes: {stated} " + page.observation * 6)
     assert keeps.dimensions == {"retention": 5.0, "extraction": 5.0, "concision": 5.0,
                                 "grounding": None}  # states no URL
     assert keeps.score == 1.0
-    # weights 0.3 / 0.3 / 0.2 renormalised without grounding: (0.3 + 0.2) / 0.8
-    assert drops.dimensions["retention"] == 1.0 and drops.score == pytest.approx(0.625)
+    # weights 0.3 / 0.3 / 0.2 renormalised without grounding: (0.3 + 0.2) / 0.8; `drops`
+    # names the answer without its subject (extraction 3): (0.3 * 0.5 + 0.2) / 0.8
+    assert drops.dimensions["retention"] == 1.0 and drops.score == pytest.approx(0.4375)
     assert misses.dimensions["extraction"] == 1.0 and misses.score == pytest.approx(0.625)
+    # named but not stated: another relation (what the quickstart's RL policy wrote: "X was
+    # founded in 2018 by Y" for every fact), or other words, is half way
+    for other in (f"{founder} founded {p.answer}.", f"{founder}, born in {p.answer}."):
+        wrong = synth(f"Notes: {company} was founded by {founder}. {other}")
+        assert wrong.dimensions["extraction"] == 3.0 and misses.score < wrong.score < 1.0
     # grounding: a URL the page gave is fine, an invented one is not
     url = p.metadata["support"][1]
-    cited = synth(f"Notes: {company} was founded by {founder}, born in {p.answer} ({url}).")
-    invented = synth(f"Notes: {company} was founded by {founder}, born in {p.answer} "
-                     "(https://en.worldwiki.test/wiki/Made_Up_Page).")
+    cited = synth(f"Notes: {company} was founded by {founder}. {stated} ({url})")
+    invented = synth(f"Notes: {company} was founded by {founder}. {stated} "
+                     "(https://en.worldwiki.test/wiki/Made_Up_Page)")
     assert cited.dimensions["grounding"] == 5.0 and cited.score == 1.0
     assert invented.dimensions["grounding"] == 1.0 and invented.score == pytest.approx(0.8)
     assert wholesale.dimensions["concision"] == 1.0
     assert keeps.score > drops.score and keeps.score > misses.score > 0
-    # names match without case and spacing, on word boundaries
-    spaced = synth(f"notes: {founder.upper()}   was born in\n{p.answer.lower()}.")
+    # names and sentences match without case and spacing, on word boundaries
+    spaced = synth(f"notes: {founder.upper()}   was born in\n{p.answer.lower()}")
     assert spaced.dimensions["retention"] == spaced.dimensions["extraction"] == 5.0
     part = synth(f"Notes: {founder}{p.answer}.")  # glued: neither name stands alone
     assert part.dimensions["retention"] == 1.0

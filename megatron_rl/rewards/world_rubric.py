@@ -21,7 +21,7 @@ LLM judge (`rewards/rubric.py`), and the same output, `turn.rewards["rubric"]` i
 | Planner | non_redundancy | no query or URL repeats an earlier one of the episode |
 | Planner | answer_timing | answers only once the summary holds the answer |
 | Synthesizer | retention | the facts the previous summary held are still there |
-| Synthesizer | extraction | the facts the evidence revealed are in the new summary |
+| Synthesizer | extraction | the revealed facts, each in the evidence's sentence stating it |
 | Synthesizer | concision | non-empty when something is known, within `max_summary_chars` |
 | Synthesizer | grounding | every URL the new summary states was in the evidence or old summary |
 
@@ -61,6 +61,8 @@ MAX_TEXT_CHARS = 200_000   # a longer text is matched on its first part only (bo
 MAX_QUERIES = 16           # a call's list of queries: the first ones count
 _SPECIAL = re.compile(r"<\|[A-Za-z0-9_]{1,40}\|>")  # <|im_end|>, <|endoftext|>, ...
 _WORD = re.compile(r"\w+")
+_SENTENCE = re.compile(r"[^\n]+?(?:\.(?=\s)|\n|$)")
+_LINK = re.compile(r"\[([^\]\n]*)\]\([^)\n]*\)")
 CONTINUED = ("length", "abort")  # a turn cut like this is continued by the next (one message)
 
 
@@ -152,6 +154,22 @@ def _holds(text: _Text, path: KnownPath) -> list[bool]:
     found = [text.has(n, masks) for n, masks in _facts(path)]
     k = len(path.bridges)
     return [*found[:k], any(found[k:])]
+
+
+def _statements(evidence: str, path: KnownPath) -> list[list[str]]:
+    """Per fact of the path, the evidence's sentences stating it: those naming the fact and
+    the entity of its hop (the subject, or the bridge before it), link markup dropped,
+    normalised. What the oracle's notes copy (`teacher.oracle_notes`)."""
+    text = _LINK.sub(r"\1", evidence[:MAX_TEXT_CHARS])
+    sentences = [_norm(x).rstrip(".") for x in _SENTENCE.findall(text)
+                 if "<http" not in x and not x.strip().startswith("A search for")]
+    out = []
+    for k, (name, masks) in enumerate(_facts(path)):
+        target = path.target(min(k, len(path.bridges)))
+        out.append([x for x in sentences if _Text(x).has(name, masks)
+                    and _Text(x.replace(_norm(name), "\x00")).has(target)])
+    k = len(path.bridges)  # one answer fact, stated by any accepted answer's sentences
+    return [*out[:k], [x for xs in out[k:] for x in xs]]
 
 
 def _url(url: str) -> str:
@@ -328,9 +346,15 @@ class WorldRubricScorer:
         revealed = [k for k, h in enumerate(shown) if h and not before[k]]
         kept = sum(after[k] for k in established)
         found = sum(after[k] for k in revealed)
+        # stated: in the evidence's own sentence, not merely named ("X was founded by Y" does
+        # not state "X was born in Y"); a fact no sentence of the evidence states counts named
+        notes = _norm(_LINK.sub(r"\1", new))
+        said = _statements(evidence, path)
+        stated = sum(after[k] and (not said[k] or any(x in notes for x in said[k]))
+                     for k in revealed)
         scores: dict[str, float | None] = {
             "retention": _band(kept, len(established)) if established else None,
-            "extraction": (5.0 if found == len(revealed) else 3.0 if found else 1.0)
+            "extraction": (5.0 if stated == len(revealed) else 3.0 if found else 1.0)
             if revealed else None,
         }
         size = len(new)
@@ -343,7 +367,8 @@ class WorldRubricScorer:
         urls = {u.rstrip(".,;:") for u in _URL.findall(new)}
         grounded = sum(u in evidence or u in previous for u in urls)
         scores["grounding"] = _band(grounded, len(urls)) if urls else None
-        detail = (f"kept {kept}/{len(established)}, extracted {found}/{len(revealed)}, "
+        detail = (f"kept {kept}/{len(established)}, extracted {found}/{len(revealed)} "
+                  f"({stated} stated as the evidence does), "
                   f"{grounded}/{len(urls)} URLs grounded, {size} chars")
         return scores, detail
 
