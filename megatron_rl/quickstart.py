@@ -334,17 +334,36 @@ def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess) -> dic
     return state
 
 
+def _failure(row: dict[str, Any]) -> str | None:
+    """How a held-out episode failed: no answer (out of turns), an answer after at most one
+    distinct search (too early for a 2-hop question), or a wrong one after more; None if
+    right."""
+    if row["rewards"].get("outcome", 0.0) > 0:
+        return None
+    if row.get("answer") is None:
+        return "no answer"
+    queries = {json.dumps(c.get("arguments"), sort_keys=True) for t in row["turns"]
+               for c in t.get("tool_calls") or [] if c.get("name") == "search"}
+    return "early" if len(queries) <= 1 else "wrong"
+
+
 def _eval_row(out: Path, name: str) -> str:
-    """A table row: pass@1, tool calls per question and the largest context an episode built
-    (IterSynth's stays bounded by the summary; ReAct's grows with every observation)."""
+    """A table row: pass@1, tool calls per question, the largest context an episode built
+    (IterSynth's stays bounded by the summary; ReAct's grows with every observation) and how
+    the failures failed."""
     folder = out / f"eval/{name}"
     s = json.loads((folder / "summary.json").read_text())
+    rows = [json.loads(x) for x in (folder / "trajectories.jsonl").read_text().splitlines()]
     peaks = [max((len(t.get("context_ids") or []) + len(t.get("output_ids") or [])
-                  for t in row["turns"]), default=0)
-             for row in map(json.loads, (folder / "trajectories.jsonl").read_text().splitlines())]
+                  for t in row["turns"]), default=0) for row in rows]
+    failed = [_failure(row) for row in rows]
     return (f"| {name} | {s['pass@1']:.3f} | {s['questions']} | "
             f"{s.get('tools/calls_mean', float('nan')):.2f} | "
-            f"{sum(peaks) / max(len(peaks), 1):.0f} |")
+            f"{sum(peaks) / max(len(peaks), 1):.0f} | "
+            + " | ".join(str(failed.count(k)) for k in FAILURES) + " |")
+
+
+FAILURES = ("early", "wrong", "no answer")
 
 
 STEP_KINDS = ("planner:search", "planner:visit", "synthesizer:notes", "planner:answer")
@@ -395,13 +414,15 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int =
     if rl_seeds > 1:
         rows += ["", f"## RL over {rl_seeds} seeds (same SFT start)", "",
                  *_seed_rows(out, seed, rl_seeds)]
-    head = ["| model | pass@1 | questions | tool calls / question | context tokens / episode |",
-            "|---|---|---|---|---|"]
+    head = ["| model | pass@1 | questions | tool calls / question | context tokens / episode | "
+            "answered after ≤ 1 search | wrong after 2+ | no answer |",
+            "|---|---|---|---|---|---|---|---|"]
     if ablation:
         rows += ["", "## Ablation (same budget and seed; ReAct from its own SFT)", "", *head,
                  *[_eval_row(out, name).replace(f"| {name} |", f"| {label} |")
                    if (out / f"eval/{name}/summary.json").is_file()
-                   else f"| {label} | not run | | | |" for name, label in ABLATION_ROWS]]
+                   else f"| {label} | not run | | | | | | |"
+                   for name, label in ABLATION_ROWS]]
     sft = [json.loads(x) for x in (out / "sft/metrics.jsonl").read_text().splitlines()]
     rl = [json.loads(x) for x in (out / "rl/metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/loss"] for r in sft if "eval/loss" in r]
