@@ -107,3 +107,17 @@ def threads_after_actors(overrides: list[str], n: int) -> list[int]:
         make_actor(overrides)
         counts.append(len(os.listdir("/proc/self/task")))
     return counts
+
+
+def frozen_step(overrides: list[str], ckpt: str) -> dict[str, float]:
+    """One step with `optim.frozen` in `overrides`, then a save and a resume (model and
+    optimizer) and one more step: per parameter, the largest change over the steps."""
+    actor = make_actor(overrides)
+    before = {n: p.detach().clone() for n, p in actor.model[0].module.named_parameters()}
+    actor.train_step(fixed_batch(), lm_loss)
+    save_checkpoint(actor, ckpt)
+    again = make_actor(overrides)
+    load_checkpoint(again, ckpt, optimizer=True, rng=False)
+    again.train_step(fixed_batch(seed=8), lm_loss)
+    return {n: float((p.detach() - before[n]).abs().max())
+            for n, p in again.model[0].module.named_parameters()}

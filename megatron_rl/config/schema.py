@@ -80,6 +80,10 @@ class OptimConfig:
         0.0, ge=0, le=1, help="share of the optimizer states (fp32 main params, Adam moments) "
         "kept and stepped on the CPU (megatron's HybridDeviceOptimizer); needs "
         "parallel.distributed_optimizer; 0 = all on the GPU")
+    frozen: tuple[str, ...] = bounded(
+        (), help="regular expressions (re.search) over the Megatron parameter names that do "
+        "not train, e.g. ['embedding'] (with tied embeddings the output layer too): no grads, "
+        "no optimizer state; each must match a parameter")
 
 
 @dataclass

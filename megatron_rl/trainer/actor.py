@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -29,6 +31,29 @@ from megatron_rl.trainer.offload import MoveStats, Offloader
 
 # reported-metric keys of a loss's token means and their count (`LossOutput.token_metrics`)
 TOKEN_MEAN, MASKED_TOKENS = "token_mean/", "token_mean/__count__"
+
+
+def freeze(module: torch.nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Parameters whose name matches any of `patterns` (re.search) stop training: DDP gives
+    them no grad buffer and the optimizer no state. A pattern that matches nothing, or one
+    that leaves nothing to train, is an error naming it. Returns the frozen names."""
+    names = [n for n, _ in module.named_parameters()]
+    for pattern in patterns:
+        try:
+            regex = re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"optim.frozen: {pattern!r} is not a regular expression: {e}"
+                             ) from e
+        if not any(regex.search(n) for n in names):
+            raise ValueError(f"optim.frozen: {pattern!r} matches no parameter (e.g. "
+                             f"{', '.join(names[:3])})")
+    frozen = [n for n in names if any(re.search(pat, n) for pat in patterns)]
+    if patterns and len(frozen) == len(names):
+        raise ValueError(f"optim.frozen={list(patterns)} freezes every parameter")
+    for name, param in module.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return frozen
 
 
 class MegatronActor:
@@ -63,6 +88,7 @@ class MegatronActor:
                                  **({"moe_enable_routing_replay": True} if replay else {}))
         self.config = module.config
         self.routing = RoutingReplay([module], self.config) if replay else None
+        freeze(module, cfg.optim.frozen)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=cfg.parallel.distributed_optimizer,
