@@ -179,6 +179,7 @@ def test_seeded_sampling_is_reproducible(server) -> None:
     top = run(generate(server.url, GenerateRequest("s5", PROMPTS[1], greedy(20))))[0].output_ids
     assert sample(None, "s6", top_k=1) == top
     assert sample(None, "s7", top_p=1e-6) == top
+    assert sample(None, "s8", top_p=1e-97) == top  # 0.0 in float32: still the argmax
 
 
 def test_sampled_tokens_follow_the_softmax_and_its_truncations() -> None:

@@ -1000,6 +1000,7 @@ def draw_tokens(probs: torch.Tensor, sampling: list[Sampling],
         top_k = torch.tensor([top_ks[r] for r in cut])[:, None]
         top_p = torch.tensor([sampling[r].top_p for r in cut])[:, None]
         keep = (torch.arange(vocab) < top_k) & ((torch.cumsum(sorted_p, -1) - sorted_p) < top_p)
+        keep[:, 0] = True  # a top_p below float32's smallest (1e-97 arrives as 0.0) keeps it too
         sorted_p = torch.where(keep, sorted_p, torch.zeros(()))
         toks[cut] = order.gather(-1, _inverse_cdf(sorted_p, u[cut])[:, None])[:, 0]
     return toks
