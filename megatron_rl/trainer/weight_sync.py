@@ -328,7 +328,8 @@ class WeightSyncer:
         sent = [0]
         quantize = _counted(sent, self.fp8)
         writers = self._shared_writers() if self.transport == "tensor" else None
-        ahead = _Ahead(self.gatherer.device)
+        # where the gather's collectives run (a gatherer without one: the host)
+        ahead = _Ahead(getattr(self.gatherer, "device", torch.device("cpu")))
         if writers:
             self.loop.run_until_complete(self._write_shared(writers, tensors, weight_version))
         elif self.transport == "tensor":
