@@ -334,6 +334,9 @@ def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess) -> dic
     return state
 
 
+FAILURES = ("early", "wrong", "no answer")  # the report's columns, in order
+
+
 def _failure(row: dict[str, Any]) -> str | None:
     """How a held-out episode failed: no answer (out of turns), an answer after at most one
     distinct search (too early for a 2-hop question), or a wrong one after more; None if
@@ -361,9 +364,6 @@ def _eval_row(out: Path, name: str) -> str:
             f"{s.get('tools/calls_mean', float('nan')):.2f} | "
             f"{sum(peaks) / max(len(peaks), 1):.0f} | "
             + " | ".join(str(failed.count(k)) for k in FAILURES) + " |")
-
-
-FAILURES = ("early", "wrong", "no answer")
 
 
 STEP_KINDS = ("planner:search", "planner:visit", "synthesizer:notes", "planner:answer")

@@ -348,10 +348,12 @@ class WorldRubricScorer:
         found = sum(after[k] for k in revealed)
         # stated: in the evidence's own sentence, not merely named ("X was founded by Y" does
         # not state "X was born in Y"); a fact no sentence of the evidence states counts named
-        notes = _norm(_LINK.sub(r"\1", new))
-        said = _statements(evidence, path)
-        stated = sum(after[k] and (not said[k] or any(x in notes for x in said[k]))
-                     for k in revealed)
+        stated = 0
+        if found:  # only then is there a statement to look for
+            notes = _norm(_LINK.sub(r"\1", new))
+            said = _statements(evidence, path)
+            stated = sum(after[k] and (not said[k] or any(x in notes for x in said[k]))
+                         for k in revealed)
         scores: dict[str, float | None] = {
             "retention": _band(kept, len(established)) if established else None,
             "extraction": (5.0 if stated == len(revealed) else 3.0 if found else 1.0)

@@ -38,16 +38,17 @@ def freeze(module: torch.nn.Module, patterns: Sequence[str]) -> list[str]:
     them no grad buffer and the optimizer no state. A pattern that matches nothing, or one
     that leaves nothing to train, is an error naming it. Returns the frozen names."""
     names = [n for n, _ in module.named_parameters()]
+    regexes = []
     for pattern in patterns:
         try:
-            regex = re.compile(pattern)
+            regexes.append(re.compile(pattern))
         except re.error as e:
             raise ValueError(f"optim.frozen: {pattern!r} is not a regular expression: {e}"
                              ) from e
-        if not any(regex.search(n) for n in names):
+        if not any(regexes[-1].search(n) for n in names):
             raise ValueError(f"optim.frozen: {pattern!r} matches no parameter (e.g. "
                              f"{', '.join(names[:3])})")
-    frozen = [n for n in names if any(re.search(pat, n) for pat in patterns)]
+    frozen = [n for n in names if any(r.search(n) for r in regexes)]
     if patterns and len(frozen) == len(names):
         raise ValueError(f"optim.frozen={list(patterns)} freezes every parameter")
     for name, param in module.named_parameters():

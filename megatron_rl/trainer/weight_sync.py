@@ -14,7 +14,7 @@ Transfer. Rank 0 streams the HF tensors, in buckets, to every engine, over one o
   disk         safetensors shards in a folder + `/update_weights_from_disk`
 Every update carries a `weight_version`; engines stamp it on each token they generate after it.
 On these three the next bucket is gathered and converted in a worker thread while the current
-one is sent (`_ahead`).
+one is sent (`_Ahead`).
 """
 
 from __future__ import annotations
