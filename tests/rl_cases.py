@@ -7,9 +7,9 @@ import torch
 from megatron_rl.algorithms.policy_loss import PolicyLossConfig, make_policy_loss_fn
 from megatron_rl.algorithms.rdpo import token_advantages
 from megatron_rl.algorithms.reward_managers import turn_advantages
-from megatron_rl.algorithms.tis import TISConfig
+from megatron_rl.algorithms.tis import TISConfig, rollout_is_weights
 from megatron_rl.checkpoint.training_checkpoint import load_checkpoint
-from megatron_rl.records.batch import OLD_LOGPROBS
+from megatron_rl.records.batch import IS_WEIGHTS, OLD_LOGPROBS, ROLLOUT_LOGPROBS
 from megatron_rl.records.trajectory import Trajectory, Turn
 from megatron_rl.trainer.batching import build_batch
 from megatron_rl.trainer.policy_update import policy_update, policy_update_steps
@@ -72,9 +72,10 @@ def zero_advantage_drift(overrides: list[str], init: str) -> dict:
 
 
 def one_step_as_before(overrides: list[str], init: str) -> dict:
-    """K = 1 against the update as it was before mini-batches: old log-probs, then one
-    `train_step` of the loss (no TIS). Both from the same initial weights."""
-    loss = PolicyLossConfig()
+    """K = 1 (the on-policy shortcut: no separate forward pass) against the update as it was
+    before: old log-probs and TIS weights from a forward pass, then one `train_step` of the
+    loss. Both from the same initial weights, with token-level TIS."""
+    loss, tis = PolicyLossConfig(), TISConfig()
     out = {}
     for how in ("policy_update", "train_step"):
         actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
@@ -82,15 +83,23 @@ def one_step_as_before(overrides: list[str], init: str) -> dict:
         load_checkpoint(actor, init, optimizer=False, rng=False)
         batch, _ = rollout_batch()
         if how == "policy_update":
-            m = policy_update(actor, batch, loss, None, mini_batches=1, epochs=1,
+            forward = actor.compute_logprobs
+            calls = []
+            actor.compute_logprobs = lambda b, f=forward, c=calls: c.append(1) or f(b)
+            m = policy_update(actor, batch, loss, tis, mini_batches=1, epochs=1,
                               rows_multiple=2)
+            actor.compute_logprobs = forward
+            m["forward_passes"] = len(calls)
         else:
             old, _ = actor.compute_logprobs(batch)
             batch.extras[OLD_LOGPROBS] = old
-            m = actor.train_step(batch, make_policy_loss_fn(loss))
+            result = rollout_is_weights(old, batch.extras[ROLLOUT_LOGPROBS], batch.loss_mask,
+                                        tis)
+            batch.extras[IS_WEIGHTS] = result.weights
+            m = {**actor.train_step(batch, make_policy_loss_fn(loss)), **result.metrics}
         after, _ = actor.compute_logprobs(batch)
-        out[how] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "lr": m["lr"],
-                    "step": m["step"], "after": after.tolist()}
+        out[how] = {**{k: v for k, v in m.items() if not k.startswith("time/")},
+                    "after": after.tolist()}
     return out
 
 

@@ -66,10 +66,23 @@ def test_with_no_advantage_only_the_load_balancing_loss_moves_weights(reference)
     assert off["max_change"] == 0.0 and off["loss"] == 0.0
 
 
-def test_one_mini_batch_keeps_the_single_step_numbers(reference):
+def test_one_mini_batch_skips_the_old_logprob_pass_and_keeps_the_numbers(reference):
+    """One mini-batch, one epoch: the old log-probs are the training pass's own (no separate
+    forward), and the loss, gradient, TIS metrics and the weights after the step are those of
+    the two-pass update."""
     init, _ = reference
     got = get_pool(1).run(rl_cases.one_step_as_before, [], init)[0]
-    assert got["policy_update"] == got["train_step"]  # bit for bit, after weights included
+    fast, two_pass = got["policy_update"], got["train_step"]
+    print(f"\none pass: {fast}\ntwo passes: {two_pass}")
+    assert fast["forward_passes"] == 0
+    assert fast["ratio"] == 1.0 and fast["ppo_kl"] == 0.0
+    for key in ("loss", "grad_norm", "lr", "step", "num_tokens", "mismatch/rollout_is_mean",
+                "mismatch/rollout_is_eff_sample_size", "mismatch/rollout_is_clipped_fraction",
+                "mismatch/train_rollout_logprob_abs_diff"):
+        assert fast[key] == pytest.approx(two_pass[key], rel=1e-5, abs=1e-7), key
+    assert 0 < fast["mismatch/rollout_is_eff_sample_size"] <= 1
+    after = [x for row in fast["after"] for x in row]
+    assert after == pytest.approx([x for row in two_pass["after"] for x in row], abs=1e-5)
 
 
 def test_clip_binds_on_the_second_mini_batch(reference):

@@ -27,6 +27,8 @@ from megatron_rl.config.schema import TISConfig
 class TISResult:
     weights: torch.Tensor        # [rows, seq], 0 where masked
     metrics: dict[str, float]
+    log_ratio: torch.Tensor      # [rows, seq] float64 per token, 0 where masked
+    token_ratio: torch.Tensor    # [rows, seq] float64 per token
 
 
 def rollout_is_weights(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
@@ -77,4 +79,4 @@ def rollout_is_weights(train_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
                "mismatch/rollout_is_veto_fraction": mean(vetoed.double(), rows),
                "mismatch/rollout_is_clipped_fraction": mean(over.double(), valid),
                "mismatch/train_rollout_logprob_abs_diff": mean(diff.abs(), m)}
-    return TISResult(weights.to(train_logprobs.dtype), metrics)
+    return TISResult(weights.to(train_logprobs.dtype), metrics, diff, token_ratio)

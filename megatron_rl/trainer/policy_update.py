@@ -7,10 +7,15 @@ weights that take it, so the first mini-batch sees ratio 1 and every later one s
 earlier steps moved the policy: that is where the clip binds. The engine's log-probs enter only
 through truncated importance sampling, which corrects for the trainer / engine mismatch
 (kernels, stale weight versions). Token-budget micro-batches apply inside each mini-batch.
+
+With one mini-batch and one epoch the old log-probs are the training pass's own, detached
+(verl's on-policy case): the ratio is 1 either way, so the separate forward pass is skipped
+and token-level TIS weights come from the same log-probs (`on_policy_loss_fn`).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -24,6 +29,8 @@ from megatron_rl.records.batch import (
     OLD_LOGPROBS,
     REF_LOGPROBS,
     ROLLOUT_LOGPROBS,
+    LossFn,
+    LossOutput,
     TokenBatch,
 )
 
@@ -59,24 +66,71 @@ def policy_update_steps(actor: Any, batch: TokenBatch, loss: PolicyLossConfig,
     threshold > 0) and reference log-probs (`loss.kl_coef`, from `reference`, a
     `trainer.reference.ReferencePolicy`) are computed once, on the whole batch."""
     start = actor.forward_backward_seconds
-    old, _ = actor.compute_logprobs(batch)
-    batch.extras[OLD_LOGPROBS] = old.detach()
+    tis = tis if tis is not None and tis.threshold > 0 else None
     metrics: dict[str, float] = {}
     if loss.kl_coef:
         if reference is None:
             raise ValueError("rl.loss.kl_coef > 0 needs a reference policy")
         batch.extras[REF_LOGPROBS] = reference.logprobs(actor, batch)
-    if tis is not None and tis.threshold > 0:
-        result = rollout_is_weights(old, batch.extras[ROLLOUT_LOGPROBS], batch.loss_mask, tis)
-        batch.extras[IS_WEIGHTS] = result.weights
-        metrics.update(result.metrics)
     loss_fn = make_policy_loss_fn(loss)
-    parts = split_mini_batches(batch, mini_batches, rows_multiple)
-    steps = [actor.train_step(part, loss_fn, end_step=False)
-             for _ in range(epochs) for part in parts]
+    if mini_batches == 1 and epochs == 1 and one_pass_tis(tis):
+        steps = [actor.train_step(batch, on_policy_loss_fn(loss_fn, tis), end_step=False)]
+        metrics.update(pop_tis_metrics(steps[0]) if tis else {})
+    else:
+        old, _ = actor.compute_logprobs(batch)
+        batch.extras[OLD_LOGPROBS] = old.detach()
+        if tis:
+            result = rollout_is_weights(old, batch.extras[ROLLOUT_LOGPROBS], batch.loss_mask,
+                                        tis)
+            batch.extras[IS_WEIGHTS] = result.weights
+            metrics.update(result.metrics)
+        parts = split_mini_batches(batch, mini_batches, rows_multiple)
+        steps = [actor.train_step(part, loss_fn, end_step=False)
+                 for _ in range(epochs) for part in parts]
     metrics.update(actor.end_step())
     metrics["time/forward_backward"] = actor.forward_backward_seconds - start
     return steps, metrics
+
+
+def one_pass_tis(tis: TISConfig | None) -> bool:
+    """Whether TIS can be computed micro-batch by micro-batch in the training pass with the
+    same numbers as on the whole batch: per-token weights, and every metric a token mean."""
+    return tis is None or (tis.level == "token" and tis.veto_threshold is None)
+
+
+_TIS_SUMS = "tis/"  # token means the training pass reports, turned into `rollout_is_weights`'s
+
+
+def on_policy_loss_fn(loss_fn: LossFn, tis: TISConfig | None) -> LossFn:
+    """`loss_fn` with the micro-batch's own detached log-probs as the old ones and, with `tis`,
+    its truncated importance weights against the engine's log-probs."""
+    def fn(logprobs: torch.Tensor, entropy: torch.Tensor, mb: TokenBatch) -> LossOutput:
+        view = copy.copy(mb)
+        view.extras = {**mb.extras, OLD_LOGPROBS: logprobs.detach()}
+        if tis is None:
+            return loss_fn(logprobs, entropy, view)
+        result = rollout_is_weights(logprobs, mb.extras[ROLLOUT_LOGPROBS], mb.loss_mask, tis)
+        view.extras[IS_WEIGHTS] = result.weights
+        out = loss_fn(logprobs, entropy, view)
+        m, w = mb.loss_mask.bool(), result.weights.double()
+        per_token = {"ratio": result.token_ratio, "abs_diff": result.log_ratio.abs(), "w": w,
+                     "w2": w * w, "over": (result.token_ratio > tis.threshold).double()}
+        out.token_metrics.update({_TIS_SUMS + k: torch.where(m, v, 0.0).sum()
+                                  for k, v in per_token.items()})
+        if out.masked_tokens is None:
+            out.masked_tokens = m.sum().to(torch.int)
+        return out
+    return fn
+
+
+def pop_tis_metrics(step: dict[str, float]) -> dict[str, float]:
+    """`rollout_is_weights`'s metrics from the token means `on_policy_loss_fn` reported."""
+    t = {k.removeprefix(_TIS_SUMS): step.pop(k) for k in list(step) if k.startswith(_TIS_SUMS)}
+    return {"mismatch/rollout_is_mean": t["ratio"],
+            "mismatch/rollout_is_eff_sample_size": t["w"] ** 2 / t["w2"] if t["w2"] else 0.0,
+            "mismatch/rollout_is_veto_fraction": 0.0,
+            "mismatch/rollout_is_clipped_fraction": t["over"],
+            "mismatch/train_rollout_logprob_abs_diff": t["abs_diff"]}
 
 
 def skipped_step(actor: Any) -> dict[str, float]:
