@@ -41,6 +41,22 @@ def test_resume_after_kill_is_bit_identical(tmp_path, world, layout):
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_run_that_stops_before_its_decay_ends_trains_as_the_longer_run_began(tmp_path):
+    """`optim.lr_decay_steps`: 3 steps of a 6-step cosine schedule are the first 3 steps of the
+    6-step run (LR and losses), and stop at a higher LR than a 3-step schedule."""
+    pool = get_pool(1)
+    cosine = [*RUN, "optim.lr_decay_style=cosine", "optim.min_lr=1e-5"]
+    long = pool.run(dist_cases.lm_run, [*cosine, f"train.output_dir={tmp_path}/a"])[0]
+    cut = pool.run(dist_cases.lm_run, [*cosine, "train.steps=3", "optim.lr_decay_steps=6",
+                                       f"train.output_dir={tmp_path}/b"])[0]
+    short = pool.run(dist_cases.lm_run, [*cosine, "train.steps=3",
+                                         f"train.output_dir={tmp_path}/c"])[0]
+    assert len(long) == 6 and len(cut) == len(short) == 3
+    assert [r["lr"] for r in cut] == [r["lr"] for r in long[:3]]
+    assert _losses(cut) == _losses(long)[:3]
+    assert cut[-1]["lr"] > short[-1]["lr"]
+
+
 def test_a_save_starts_no_process(tmp_path):
     """The first save of a rank used to spawn megatron's results Manager (~5 s, each rank)."""
     assert get_pool(1).run(dist_cases.save_and_list_children, str(tmp_path / "c"))[0] == []

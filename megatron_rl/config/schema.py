@@ -76,6 +76,9 @@ class OptimConfig:
     clip_grad: float = bounded(1.0, ge=0, help="0 disables clipping")
     warmup_steps: int = bounded(0, ge=0)
     lr_decay_style: str = bounded("constant", choices=("constant", "linear", "cosine"))
+    lr_decay_steps: int = bounded(0, ge=0, help="steps the decay spans (Megatron's "
+                                  "--lr-decay-iters); a run may stop before it ends, at a "
+                                  "higher LR; 0 = train.steps")
     cpu_offload_fraction: float = bounded(
         0.0, ge=0, le=1, help="share of the optimizer states (fp32 main params, Adam moments) "
         "kept and stepped on the CPU (megatron's HybridDeviceOptimizer); needs "

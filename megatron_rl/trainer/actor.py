@@ -127,7 +127,7 @@ class MegatronActor:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o, steps = self.cfg.optim, self.cfg.train.steps
-        decay_steps = max(steps, o.warmup_steps + 1)
+        decay_steps = max(o.lr_decay_steps or steps, o.warmup_steps + 1)
         # megatron warms up from init_lr at step 0: start at lr/(W+1), not 0, so the first
         # step of a warmup trains (with init_lr=0 it changed nothing)
         return OptimizerParamScheduler(
