@@ -214,6 +214,28 @@ def test_a_rerun_redoes_a_stage_whose_command_changed_and_every_stage_after_it(t
     assert state["b"]["argv"] == ["b", "train.steps=2"]
 
 
+def test_a_rerun_replaces_the_stale_exports_a_later_stage_would_read(tmp_path):
+    """SFT re-run for fewer steps: the old run's step_000650 export must not be the "latest"
+    the eval stage resolves `{sft/hf}` to."""
+    def runner(argv: list[str]) -> int:
+        if argv[0] == "sft":
+            steps = int(argv[2].split("=")[1])
+            (tmp_path / f"sft/hf/step_{steps:06d}").mkdir(parents=True)
+        else:
+            (tmp_path / "eval.txt").write_text(argv[1])
+        return 0
+
+    def todo(steps: int) -> list[q.Stage]:
+        return [q.Stage("sft", ["sft", "tiny-moe-sft-cpu", f"train.steps={steps}"],
+                        tmp_path / "sft/hf"),
+                q.Stage("eval", ["eval", "{sft/hf}"], tmp_path / "eval.txt")]
+
+    q.run_stages(tmp_path, todo(650), runner)
+    q.run_stages(tmp_path, todo(550), runner)
+    assert (tmp_path / "eval.txt").read_text().endswith("step_000550")
+    assert [p.name for p in (tmp_path / "sft/hf").iterdir()] == ["step_000550"]
+
+
 def test_a_rerun_redoes_a_train_stage_whose_recipe_file_changed(tmp_path):
     """Same command line, edited recipe (the quickstart's own RL recipe gained dynamic
     sampling this way): the stage and the ones after it run again."""
