@@ -214,10 +214,13 @@ def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
 # quickstart --ablation: the same budget and seed; only the RL method changes. The IterSynth
 # variants start from the main SFT checkpoint; ReAct from its own SFT on ReAct demonstrations of
 # the same questions (same pre-training and budget), so the main path's SFT never changes.
+# outcome-only variants train no turn of a dropped group: its outcomes are equal, so every
+# advantage would be 0 and the rows would only dilute the token-mean loss
+OUTCOME_ONLY = ("rl.reward_manager=grpo", "rl.rubric={}", "rl.sampling.dropped_group_roles=[]")
 ABLATION = {
-    "grpo": ["rl.reward_manager=grpo", "rl.rubric={}"],
+    "grpo": [*OUTCOME_ONLY],
     "rdpo_mixed": ["rl.reward_manager=rdpo_mixed"],
-    "react_grpo": ["rl.agent=react", "rl.reward_manager=grpo", "rl.rubric={}"],
+    "react_grpo": ["rl.agent=react", *OUTCOME_ONLY],
 }
 REACT_SFT = "ablation/sft_react"
 ABLATION_ROWS = (("sft", "none (SFT, itersynth)"), ("rl", "rdpo (itersynth)"),
