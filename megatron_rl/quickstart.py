@@ -253,20 +253,23 @@ def _eval_stage(out: Path, like: Stage, label: str, model_dir: str, agent: str) 
 
 
 def ablation_stages(out: Path, main: list[Stage], seed: int, b: Budget) -> list[Stage]:
-    """One RL run and its held-out eval per variant (RDPO itself is the main run); before
-    them, the ReAct demonstrations, their SFT and its eval."""
+    """One RL run and its held-out eval per variant (RDPO itself is the main run): the
+    IterSynth ones first (from the main SFT checkpoint), then the ReAct demonstrations, their
+    SFT, its eval and the ReAct variant."""
     q = out / "questions"
     ev = next(s for s in main if s.name == "eval-sft")
+    itersynth: list[Stage] = []
     react = [*_teacher_stages(out, "react", "react", q / "train.parquet", 2),
              *_teacher_stages(out, "react-one-hop", "react", q / "one_hop/train.parquet", 1),
              _sft_stage(out, "sft-react", out / REACT_SFT, ("react", "react-one-hop"), seed, b),
              _eval_stage(out, ev, "sft_react", f"{{{REACT_SFT}/hf}}", "react")]
     for name, overrides in ABLATION.items():
-        agent = "react" if "rl.agent=react" in overrides else "itersynth"
-        if agent == "react":
+        if "rl.agent=react" in overrides:
             overrides = [*overrides, f"checkpoint.init_from={out / REACT_SFT / 'checkpoints'}"]
-        react += rl_variant(out, main, f"ablation/{name}", overrides, agent)
-    return react
+            react += rl_variant(out, main, f"ablation/{name}", overrides, "react")
+        else:
+            itersynth += rl_variant(out, main, f"ablation/{name}", overrides, "itersynth")
+    return itersynth + react
 
 
 def seed_runs(rl_seeds: int) -> list[str]:
