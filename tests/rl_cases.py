@@ -85,7 +85,7 @@ def one_step_as_before(overrides: list[str], init: str) -> dict:
         if how == "policy_update":
             forward = actor.compute_logprobs
             calls = []
-            actor.compute_logprobs = lambda b, f=forward, c=calls: c.append(1) or f(b)
+            actor.compute_logprobs = lambda b, f=forward, c=calls, **kw: c.append(1) or f(b, **kw)
             m = policy_update(actor, batch, loss, tis, mini_batches=1, epochs=1,
                               rows_multiple=2)
             actor.compute_logprobs = forward
@@ -101,6 +101,17 @@ def one_step_as_before(overrides: list[str], init: str) -> dict:
         out[how] = {**{k: v for k, v in m.items() if not k.startswith("time/")},
                     "after": after.tolist()}
     return out
+
+
+def trained_only_logprobs(overrides: list[str], init: str) -> dict:
+    """`compute_logprobs` over every position and over the trained targets only."""
+    actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
+                                   *overrides])
+    load_checkpoint(actor, init, optimizer=False, rng=False)
+    batch, _ = rollout_batch()
+    full, _ = actor.compute_logprobs(batch)
+    trained, _ = actor.compute_logprobs(batch, trained_only=True)
+    return {"full": full, "trained": trained, "mask": batch.loss_mask.bool()}
 
 
 def mini_batch_steps(overrides: list[str], init: str, k: int, epochs: int = 1,

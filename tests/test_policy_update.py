@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from tests import dist_cases, rl_cases
 from tests.pools import get_pool
@@ -83,6 +84,17 @@ def test_one_mini_batch_skips_the_old_logprob_pass_and_keeps_the_numbers(referen
     assert 0 < fast["mismatch/rollout_is_eff_sample_size"] <= 1
     after = [x for row in fast["after"] for x in row]
     assert after == pytest.approx([x for row in two_pass["after"] for x in row], abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", [[], ["train.max_tokens_per_microbatch=32"]])
+def test_old_logprobs_cover_the_trained_targets_only(layout, reference):
+    """The old-log-prob pass runs the output layer over the trained targets only (as training
+    does): the same numbers there, 0 elsewhere."""
+    init, _ = reference
+    got = get_pool(1).run(rl_cases.trained_only_logprobs, layout, init)[0]
+    m = got["mask"]
+    assert torch.allclose(got["trained"][m], got["full"][m], atol=1e-6)
+    assert (got["trained"][~m] == 0).all() and (got["full"][~m] != 0).any()
 
 
 def test_clip_binds_on_the_second_mini_batch(reference):

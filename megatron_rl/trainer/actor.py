@@ -199,11 +199,14 @@ class MegatronActor:
         return self._forward_backward(batch, loss_fn, forward_only=True)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_logprobs(self, batch: TokenBatch, *, trained_only: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy of `batch.labels` for the whole batch, on every rank, as
         [rows, seq] in the batch's row order. With token-budget micro-batches positions after
-        a row's last trained target (and rows that train nothing) are not computed: 0."""
-        full = self._forward_collect(batch, self._logprob_processor())
+        a row's last trained target (and rows that train nothing) are not computed: 0.
+        `trained_only`: only the trained targets go through the output layer (the others are
+        0), as in training: what old and reference log-probs need."""
+        full = self._forward_collect(batch, self._logprob_processor(), trained_only)
         return full[..., 0], full[..., 1]
 
     @torch.no_grad()
@@ -214,7 +217,8 @@ class MegatronActor:
                                                     vocab=self.spec.vocab_size))
 
     # -- internals ---------------------------------------------------------------------------
-    def _forward_collect(self, batch: TokenBatch, processor) -> torch.Tensor:
+    def _forward_collect(self, batch: TokenBatch, processor, trained_only: bool = False
+                         ) -> torch.Tensor:
         """Forward-only pass whose per-token outputs (from `processor`) come back for the
         whole batch on every rank: last pipeline stage → all stages, DP shards gathered."""
         from megatron.core import parallel_state as ps
@@ -223,7 +227,8 @@ class MegatronActor:
             chunk.eval()
         micro = self._micro_batches(batch)
         outputs = self._schedule(micro, lambda mb, out, non_loss_data=False: out,
-                                 forward_only=True, collect=True, processor=processor)
+                                 forward_only=True, collect=True, processor=processor,
+                                 trained_only=trained_only)
         if self.token_budget:  # rows back in their original order and [rows, seq] places
             full = self._from_last_stage(assemble(batch, micro, outputs) if outputs else None)
             if self.layout.dp > 1:  # each row was computed on one DP rank, zeros elsewhere

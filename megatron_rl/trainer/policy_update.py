@@ -77,7 +77,7 @@ def policy_update_steps(actor: Any, batch: TokenBatch, loss: PolicyLossConfig,
         steps = [actor.train_step(batch, on_policy_loss_fn(loss_fn, tis), end_step=False)]
         metrics.update(pop_tis_metrics(steps[0]) if tis else {})
     else:
-        old, _ = actor.compute_logprobs(batch)
+        old, _ = actor.compute_logprobs(batch, trained_only=True)
         batch.extras[OLD_LOGPROBS] = old.detach()
         if tis:
             result = rollout_is_weights(old, batch.extras[ROLLOUT_LOGPROBS], batch.loss_mask,

@@ -25,7 +25,7 @@ class ReferencePolicy:
         try:
             for n, p in live.items():
                 p.copy_(self.weights[n])
-            out, _ = actor.compute_logprobs(batch)
+            out, _ = actor.compute_logprobs(batch, trained_only=True)
         finally:
             for n, p in live.items():
                 p.copy_(current[n])
