@@ -129,7 +129,9 @@ def test_every_switch_of_the_loop_at_two_ranks(tmp_path):
     assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 is at the initial policy
     # EntroPIC: entropy below the target raises the bonus from its initial 0
     assert first["entropy"] < 9.0 and first["entropy_coef"] > 0
-    assert first["rollout/cancelled_prompts"] >= 1  # over-sampled groups were cut
+    # over-sampled groups were cut, or (a loaded machine wakes the loop late) finished
+    # together with the last needed one
+    assert first["rollout/cancelled_prompts"] + first["rollout/surplus_groups"] >= 1
     trajs = _lines(tmp_path / "trajectories.jsonl")
     assert {turn["role"] for t in trajs for turn in t["turns"]} >= {"planner"}
     assert all("routed_experts" not in turn for t in trajs for turn in t["turns"])

@@ -43,6 +43,8 @@ class StepRollouts:
     # dropped groups kept for some roles' turns (`dropped_group_roles`), after `groups`
     role_groups: list[list[Trajectory]] = field(default_factory=list)
     cancelled_prompts: int = 0     # still running when the step had enough; requeued
+    # finished together with the last needed group (one wake-up of the loop): not trained
+    surplus_groups: int = 0
     resumed_samples: int = 0       # sessions continued from a committed prefix
     judge_seconds: float = 0.0     # summed over groups (they are judged concurrently)
     metrics: dict[str, float] = field(default_factory=dict)
@@ -199,9 +201,11 @@ class RolloutScheduler:
                     self.forest.release(group.prompt.uid)
                     trajs = task.result()
                     sampled += [t.rewards.get("outcome", 0.0) for t in trajs]
-                    if len(kept) < need and self._keep(trajs):
+                    if len(kept) >= need:
+                        out.surplus_groups += 1
+                    elif self._keep(trajs):
                         kept.append((group.order, trajs))
-                    elif len(kept) < need:
+                    else:
                         out.dropped_groups += 1
                         if roles and len(for_roles) < need:
                             for t in trajs:  # the other roles' turns leave the loss
@@ -231,6 +235,7 @@ class RolloutScheduler:
                        **({"rollout/role_groups": len(out.role_groups)} if roles else {}),
                        "rollout/dropped_groups": out.dropped_groups,
                        "rollout/cancelled_prompts": out.cancelled_prompts,
+                       "rollout/surplus_groups": out.surplus_groups,
                        "rollout/resumed_samples": out.resumed_samples,
                        "time/judge": out.judge_seconds,
                        # every finished group's, dropped ones too: the policy's own rate
