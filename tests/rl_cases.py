@@ -39,12 +39,18 @@ def rollout_batch(rewards=(1.0, 0.0, 0.0, 1.0)):
     return build_batch(seqs, per_token, seq_length=SEQ, pad_id=0, rows_multiple=2), adv
 
 
-def update(overrides: list[str], init: str) -> dict:
-    """One policy update from the shared initial weights; the metrics and, for the sign
-    check, each row's mean log-prob change on its trained tokens."""
+def loaded_actor(overrides: list[str], init: str):
+    """A one-step-batch actor with the saved initial weights (`dist_cases.save_initial`)."""
     actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
                                    *overrides])
     load_checkpoint(actor, init, optimizer=False, rng=False)
+    return actor
+
+
+def update(overrides: list[str], init: str) -> dict:
+    """One policy update from the shared initial weights; the metrics and, for the sign
+    check, each row's mean log-prob change on its trained tokens."""
+    actor = loaded_actor(overrides, init)
     batch, _ = rollout_batch()
     before, _ = actor.compute_logprobs(batch)
     metrics = policy_update(actor, batch, PolicyLossConfig(), TISConfig())
@@ -57,9 +63,7 @@ def update(overrides: list[str], init: str) -> dict:
 def zero_advantage_drift(overrides: list[str], init: str) -> dict:
     """A GRPO update on a group whose rewards all agree (every advantage 0): the largest
     change of any weight, the router's included."""
-    actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
-                                   *overrides])
-    load_checkpoint(actor, init, optimizer=False, rng=False)
+    actor = loaded_actor(overrides, init)
     batch, _ = rollout_batch(rewards=(1.0, 1.0, 1.0, 1.0))
     module = actor.model[0].module
     before = {k: v.detach().clone() for k, v in module.state_dict().items()
@@ -78,9 +82,7 @@ def one_step_as_before(overrides: list[str], init: str) -> dict:
     loss, tis = PolicyLossConfig(), TISConfig()
     out = {}
     for how in ("policy_update", "train_step"):
-        actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
-                                       *overrides])
-        load_checkpoint(actor, init, optimizer=False, rng=False)
+        actor = loaded_actor(overrides, init)
         batch, _ = rollout_batch()
         if how == "policy_update":
             forward = actor.compute_logprobs
@@ -105,9 +107,7 @@ def one_step_as_before(overrides: list[str], init: str) -> dict:
 
 def trained_only_logprobs(overrides: list[str], init: str) -> dict:
     """`compute_logprobs` over every position and over the trained targets only."""
-    actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
-                                   *overrides])
-    load_checkpoint(actor, init, optimizer=False, rng=False)
+    actor = loaded_actor(overrides, init)
     batch, _ = rollout_batch()
     full, _ = actor.compute_logprobs(batch)
     trained, _ = actor.compute_logprobs(batch, trained_only=True)
@@ -117,9 +117,7 @@ def trained_only_logprobs(overrides: list[str], init: str) -> dict:
 def mini_batch_steps(overrides: list[str], init: str, k: int, epochs: int = 1,
                      loss_agg_mode: str | None = None) -> dict:
     """The optimizer steps of one run step split into `k` PPO mini-batches."""
-    actor = dist_cases.make_actor([f"model.seq_length={SEQ}", "train.global_batch_size=4",
-                                   *overrides])
-    load_checkpoint(actor, init, optimizer=False, rng=False)
+    actor = loaded_actor(overrides, init)
     batch, _ = rollout_batch()
     loss = PolicyLossConfig(clip_ratio_high=0.2, loss_agg_mode=loss_agg_mode)
     steps, metrics = policy_update_steps(actor, batch, loss, None, mini_batches=k,

@@ -32,7 +32,8 @@ class TISResult:
 
 
 def rollout_is_weights(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                       loss_mask: torch.Tensor, cfg: TISConfig) -> TISResult:
+                       loss_mask: torch.Tensor, cfg: TISConfig, *, with_metrics: bool = True
+                       ) -> TISResult:
     """Importance weights and mismatch metrics over the masked tokens of a batch.
 
     Metrics (units are tokens at token level, sequences with a masked token at sequence level):
@@ -42,6 +43,8 @@ def rollout_is_weights(train_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     - `mismatch/rollout_is_veto_fraction`: vetoed sequences / sequences
     - `mismatch/rollout_is_clipped_fraction`: units with rho > threshold
     - `mismatch/train_rollout_logprob_abs_diff`: mean |log pi_train - log pi_rollout| per token
+
+    `with_metrics=False` leaves them out (a caller that sums the per-token parts itself).
     """
     if cfg.threshold <= 0:
         raise ValueError(f"rl.tis.threshold={cfg.threshold}: TIS is off (threshold 0)")
@@ -66,6 +69,8 @@ def rollout_is_weights(train_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     if cfg.level == "sequence":
         w = w.unsqueeze(-1).expand_as(diff)
     weights = torch.where(m, w, zeros)
+    if not with_metrics:
+        return TISResult(weights.to(train_logprobs.dtype), {}, diff, token_ratio)
 
     def mean(x: torch.Tensor, where: torch.Tensor) -> float:
         n = int(where.sum())

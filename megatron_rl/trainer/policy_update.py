@@ -109,7 +109,8 @@ def on_policy_loss_fn(loss_fn: LossFn, tis: TISConfig | None) -> LossFn:
         view.extras = {**mb.extras, OLD_LOGPROBS: logprobs.detach()}
         if tis is None:
             return loss_fn(logprobs, entropy, view)
-        result = rollout_is_weights(logprobs, mb.extras[ROLLOUT_LOGPROBS], mb.loss_mask, tis)
+        result = rollout_is_weights(logprobs, mb.extras[ROLLOUT_LOGPROBS], mb.loss_mask, tis,
+                                    with_metrics=False)
         view.extras[IS_WEIGHTS] = result.weights
         out = loss_fn(logprobs, entropy, view)
         m, w = mb.loss_mask.bool(), result.weights.double()
