@@ -126,6 +126,27 @@ def test_duplicate_urls_are_skipped(tmp_path):
     assert SearchIndex(tmp_path / "idx").page("u1").title == "a"
 
 
+def test_equal_scores_rank_by_url_whatever_the_build_order(tmp_path):
+    """Two builds of one corpus (here: rows in opposite orders) rank the same pages: tantivy
+    breaks BM25 ties by document address, which the build decides."""
+    rows = [{"url": "https://w.test/Silurmouth", "title": "Silurmouth",
+             "text": "Silurmouth is a city."}]
+    rows += [{"url": f"https://w.test/p{i:02d}", "title": f"Person {i:02d}",
+              "text": f"Born in Silurmouth in {1900 + i}."} for i in range(30)]
+    rows += [{"url": f"https://w.test/f{i}", "title": f"Filler {i}", "text": "nothing here"}
+             for i in range(200)]
+    found = []
+    for order, name in ((rows, "a"), (rows[::-1], "b")):
+        pq.write_table(pa.Table.from_pylist(order), tmp_path / f"{name}.parquet")
+        build_index(tmp_path / f"{name}.parquet", tmp_path / name, progress=False)
+        ix = SearchIndex(tmp_path / name)
+        found.append([(h.url, h.score) for h in ix.search("Silurmouth", top_k=3)])
+    assert found[0] == found[1]
+    urls, scores = zip(*found[0], strict=True)
+    assert urls == ("https://w.test/Silurmouth", "https://w.test/p00", "https://w.test/p01")
+    assert scores[1] == scores[2] < scores[0]  # the 30 person pages tie
+
+
 @pytest.mark.parametrize("rows, needle", [
     ([{"url": "u", "title": "t"}], "missing column(s) ['text']"),
     ([{"url": 5, "title": "t", "text": "x"}], "row 0: column 'url' must be a string"),

@@ -203,6 +203,7 @@ QUERY_FIELDS = (("title", TITLE_BOOST), ("text", 1.0))
 # a (field, term) clause matching more than this share of pages is "common": the pruned search
 # only scores it on pages that match a rarer clause (see SearchIndex._pruned)
 COMMON_SHARE = 0.05
+MAX_TIED_HITS = 4096  # hits fetched at most to order the k-th score's ties by URL
 BM25_K1 = 1.2  # tantivy's; a clause scores below boost * idf * (1 + k1) on any page
 
 
@@ -302,13 +303,36 @@ class SearchIndex:
         pruned = self._pruned(words)
         if pruned is not None:
             q, bound = pruned
-            hits = self._searcher.search(q, top_k, count=False).hits
+            hits = self._ranked(q, top_k)
             # exact when no page outside the candidates can reach the k-th score; else (under
             # 1% of the benchmark's queries at 1M) run the full query
-            if bound == 0.0 or (len(hits) == top_k and hits[-1][0] >= bound):
+            if bound == 0.0 or (len(hits) == top_k and hits[-1][0] > bound):
                 return q, hits
         q = self._full(words)
-        return q, self._searcher.search(q, top_k, count=False).hits
+        return q, self._ranked(q, top_k)
+
+    def _ranked(self, q: tantivy.Query, top_k: int) -> list:
+        """The top `top_k` (score, address) by score, equal scores by URL. tantivy breaks ties
+        by document address, which differs between two builds of the same corpus (its
+        indexing threads), and BM25 ties are common (quantised field lengths): without this,
+        a rebuilt index gave another second result for the same query."""
+        n = top_k + 1
+        while True:  # widen until the k-th score's ties all lie inside what was fetched
+            hits = self._searcher.search(q, n, count=False).hits
+            if len(hits) <= top_k or hits[top_k - 1][0] != hits[-1][0] or len(hits) < n:
+                break
+            if n >= MAX_TIED_HITS:  # a pathological tie: the build's order decides
+                return hits[:top_k]
+            n = min(4 * n, MAX_TIED_HITS)
+        if len(hits) <= 1:
+            return hits
+        last = hits[min(top_k, len(hits)) - 1][0]
+        tied = [h for h in hits if h[0] >= last]  # the fetched rest scores below `last`
+        if len({score for score, _ in tied}) == len(tied):
+            return tied[:top_k]
+        keyed = [(-score, self._searcher.doc(addr).get_first("url") or "", i)
+                 for i, (score, addr) in enumerate(tied)]
+        return [tied[i] for *_, i in sorted(keyed)[:top_k]]
 
     def search(self, query: str, top_k: int = 10) -> list[SearchHit]:
         words = self._words(query)
