@@ -26,7 +26,7 @@ from results import parse
 HERE = Path(__file__).resolve().parent
 # name → quick arguments (each runs in a minute or two on 2 cores)
 BENCHMARKS: dict[str, list[str]] = {
-    "weight_sync": ["--transports", "one-copy,tensor"],
+    "weight_sync": ["--transports", "one-copy,tensor,tensor-serial", "--bucket-mb", "64"],
     "megatron_cpu_step": [],
     "engine_vs_generate": ["--models", "tiny-moe,tiny-qwen3.5"],
     "partial_rollout": [],

@@ -41,9 +41,11 @@ def main() -> None:
     add_size_args(p, layers=6, hidden=512, experts=16)
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3, help="steady syncs per transport (best)")
-    p.add_argument("--transports", default="one-copy,tensor,distributed,disk",
+    p.add_argument("--transports", default="one-copy,tensor,tensor-serial,distributed,disk",
                    help="one-copy: the tensor transport writing into the engine's shared "
-                        "parameters; tensor: the same transport with shm buckets")
+                        "parameters; tensor: the same transport with shm buckets; a "
+                        "'-serial' suffix: without the look-ahead (bucket k+1 gathered only "
+                        "after bucket k was sent)")
     a = p.parse_args()
 
     from megatron_rl.checkpoint.convert import export_hf
@@ -73,8 +75,10 @@ def main() -> None:
             version = 0
             for transport in a.transports.split(","):
                 one_copy = transport == "one-copy"
-                with WeightSyncer(gatherer, [url], transport="tensor" if one_copy else transport,
+                kind = "tensor" if one_copy else transport.removesuffix("-serial")
+                with WeightSyncer(gatherer, [url], transport=kind,
                                   bucket_bytes=a.bucket_mb << 20, one_copy=one_copy,
+                                  overlap=not transport.endswith("-serial"),
                                   disk_dir=str(tmp / "disk")) as syncer:
                     # the first allocates (cold pages); a run then syncs every step: the
                     # steady row is the best of a.repeats later syncs, as memcpy's is
@@ -104,9 +108,14 @@ def main() -> None:
                  if "write_s" in s.extra else "")
               + (f"  (phases overlap: {s.gather_s + s.convert_s + s.transfer_s:.2f} s of "
                  f"work in {s.wall_s:.2f} s)" if s.wall_s is not None else ""))
-    steady = {t: s.bytes / secs / memcpy for t, secs, s in rows if t.endswith("(steady)")}
+    steady = {t.split()[0]: s.bytes / secs / memcpy for t, secs, s in rows
+              if t.endswith("(steady)")}
     best = max(steady, key=steady.get)
-    emit(f"weight sync / memcpy, steady ({best.split()[0]})", steady[best], 0.8)
+    emit(f"weight sync / memcpy, steady ({best})", steady[best], 0.8)
+    for t in [t for t in steady if f"{t}-serial" in steady]:
+        # the same transport and buckets: wall time with the look-ahead / without
+        emit(f"weight sync with look-ahead / without, steady ({t}, {a.bucket_mb} MB buckets)",
+             steady[f"{t}-serial"] / steady[t], 0.9, better="lower")
 
 
 if __name__ == "__main__":

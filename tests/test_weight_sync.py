@@ -83,3 +83,28 @@ def test_the_next_bucket_is_gathered_while_the_current_one_is_sent():
         return got
 
     assert asyncio.run(consume()) == [0, 1, 2, 3]
+
+
+def test_without_look_ahead_the_next_bucket_waits_for_the_send():
+    """`WeightSyncer(overlap=False)`, the benchmark's reference: item k+1 is produced only
+    after the caller is done with item k."""
+    import asyncio
+
+    from megatron_rl.trainer.weight_sync import _InLine
+
+    log: list[str] = []
+
+    def produce():
+        for k in range(3):
+            log.append(f"make {k}")
+            yield k
+
+    async def consume() -> None:
+        inline = _InLine()
+        async for k in inline(produce()):
+            await asyncio.sleep(0.01)
+            log.append(f"send {k}")
+        assert inline.caller_s >= 0.02
+
+    asyncio.run(consume())
+    assert log == ["make 0", "send 0", "make 1", "send 1", "make 2", "send 2"]

@@ -294,11 +294,13 @@ class WeightSyncer:
                  transport: str = "tensor", bucket_bytes: int = 512 << 20,
                  dtype: torch.dtype | None = None, disk_dir: str | None = None,
                  master_address: str = "127.0.0.1", timeout_s: float = 600.0,
-                 fp8: bool = False, one_copy: bool = True):
+                 fp8: bool = False, one_copy: bool = True, overlap: bool = True):
         """`fp8`: send the projections as blockwise FP8 + `weight_scale_inv` (an engine that
         serves an FP8 checkpoint, docs/fp8.md); each weight and its scale share a bucket.
         `one_copy`: with the tensor transport, write straight into the parameters of engines
-        that share them on this machine (engines/shared_weights.py)."""
+        that share them on this machine (engines/shared_weights.py). `overlap=False`: gather
+        each bucket only after the previous one was sent (benchmarks/weight_sync.py's
+        reference for the look-ahead)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
         if not urls:
@@ -306,7 +308,7 @@ class WeightSyncer:
         self.gatherer, self.transport, self.bucket_bytes = gatherer, transport, bucket_bytes
         self.dtype, self.disk_dir, self.fp8 = dtype, disk_dir, fp8
         self.master_address, self.timeout_s = master_address, timeout_s
-        self.one_copy = one_copy
+        self.one_copy, self.overlap = one_copy, overlap
         self._writers: list[SharedWeightWriter] | None = None
         self.engines: list[HttpEngine] = []
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -329,7 +331,8 @@ class WeightSyncer:
         quantize = _counted(sent, self.fp8)
         writers = self._shared_writers() if self.transport == "tensor" else None
         # where the gather's collectives run (a gatherer without one: the host)
-        ahead = _Ahead(getattr(self.gatherer, "device", torch.device("cpu")))
+        ahead = (_Ahead(getattr(self.gatherer, "device", torch.device("cpu"))) if self.overlap
+                 else _InLine())
         if writers:
             self.loop.run_until_complete(self._write_shared(writers, tensors, weight_version))
         elif self.transport == "tensor":
@@ -484,6 +487,19 @@ class _Ahead:
         finally:  # the caller stopped early: let the thread's `next` finish first
             if not pending.done():
                 await asyncio.gather(pending, return_exceptions=True)
+
+
+class _InLine(_Ahead):
+    """`_Ahead` without the look-ahead: item k+1 is produced after item k was sent."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+
+    async def __call__(self, items: Iterator) -> AsyncIterator:
+        for item in items:
+            t0 = time.perf_counter()
+            yield item
+            self.caller_s += time.perf_counter() - t0
 
 
 async def _push_tensors(engines: list[HttpEngine], buckets: AsyncIterator, version: int,
