@@ -90,7 +90,9 @@ def test_without_look_ahead_the_next_bucket_waits_for_the_send():
     after the caller is done with item k."""
     import asyncio
 
-    from megatron_rl.trainer.weight_sync import _InLine
+    import torch
+
+    from megatron_rl.trainer.weight_sync import _Ahead
 
     log: list[str] = []
 
@@ -100,7 +102,7 @@ def test_without_look_ahead_the_next_bucket_waits_for_the_send():
             yield k
 
     async def consume() -> None:
-        inline = _InLine()
+        inline = _Ahead(torch.device("cpu"), look_ahead=False)
         async for k in inline(produce()):
             await asyncio.sleep(0.01)
             log.append(f"send {k}")

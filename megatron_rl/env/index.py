@@ -324,7 +324,7 @@ class SearchIndex:
             if n >= MAX_TIED_HITS:  # a pathological tie: the build's order decides
                 return hits[:top_k]
             n = min(4 * n, MAX_TIED_HITS)
-        if len(hits) <= 1:
+        if not hits:
             return hits
         last = hits[min(top_k, len(hits)) - 1][0]
         tied = [h for h in hits if h[0] >= last]  # the fetched rest scores below `last`

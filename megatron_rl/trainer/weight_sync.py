@@ -331,8 +331,7 @@ class WeightSyncer:
         quantize = _counted(sent, self.fp8)
         writers = self._shared_writers() if self.transport == "tensor" else None
         # where the gather's collectives run (a gatherer without one: the host)
-        ahead = (_Ahead(getattr(self.gatherer, "device", torch.device("cpu"))) if self.overlap
-                 else _InLine())
+        ahead = _Ahead(getattr(self.gatherer, "device", torch.device("cpu")), self.overlap)
         if writers:
             self.loop.run_until_complete(self._write_shared(writers, tensors, weight_version))
         elif self.transport == "tensor":
@@ -465,10 +464,11 @@ class _Ahead:
     """Iterates items one ahead: item k+1 is produced in a worker thread (the gather's
     reductions and the HF conversion of the next bucket) while the caller sends item k. One
     `next` at a time, so the producer's order and its collectives are unchanged.
-    `caller_s`: the time the caller held items (sending them)."""
+    `caller_s`: the time the caller held items (sending them). `look_ahead=False`: item k+1
+    is produced (in the same thread) only after the caller is done with item k."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.caller_s = device, 0.0
+    def __init__(self, device: torch.device, look_ahead: bool = True):
+        self.device, self.look_ahead, self.caller_s = device, look_ahead, 0.0
 
     def _pull(self, items: Iterator) -> Any:
         if self.device.type == "cuda":  # the gather's collectives run on the trainer's GPU
@@ -477,29 +477,23 @@ class _Ahead:
 
     async def __call__(self, items: Iterator) -> AsyncIterator:
         loop = asyncio.get_running_loop()
-        pending = loop.run_in_executor(_gather_thread(), self._pull, items)
+
+        def pull() -> asyncio.Future:
+            return loop.run_in_executor(_gather_thread(), self._pull, items)
+
+        pending = pull()
         try:
             while (item := await pending) is not _END:
-                pending = loop.run_in_executor(_gather_thread(), self._pull, items)
+                if self.look_ahead:
+                    pending = pull()
                 t0 = time.perf_counter()
                 yield item
                 self.caller_s += time.perf_counter() - t0
+                if not self.look_ahead:
+                    pending = pull()
         finally:  # the caller stopped early: let the thread's `next` finish first
             if not pending.done():
                 await asyncio.gather(pending, return_exceptions=True)
-
-
-class _InLine(_Ahead):
-    """`_Ahead` without the look-ahead: item k+1 is produced after item k was sent."""
-
-    def __init__(self) -> None:
-        super().__init__(torch.device("cpu"))
-
-    async def __call__(self, items: Iterator) -> AsyncIterator:
-        for item in items:
-            t0 = time.perf_counter()
-            yield item
-            self.caller_s += time.perf_counter() - t0
 
 
 async def _push_tensors(engines: list[HttpEngine], buckets: AsyncIterator, version: int,
