@@ -10,10 +10,11 @@ import re
 from megatron_rl.agents import ReActAgent
 from megatron_rl.agents.tokenizer import tiny_qwen3_tokenizer
 from megatron_rl.engines.base import GenerateResult, SamplingParams
-from megatron_rl.records.prompt import Prompt
+from megatron_rl.records.prompt import Prompt, question_key
 from megatron_rl.rewards.composite import score_group
 from megatron_rl.rewards.rule import RuleJudge
 from megatron_rl.rollout.scheduler import RolloutScheduler, SchedulerConfig
+from megatron_rl.tasks.base import cycle
 from tests.fakes import DEMO_PAGES, DictSearch, DictVisit, ScriptedEngine, agent_config
 
 TOK = tiny_qwen3_tokenizer()
@@ -25,11 +26,12 @@ class Policy:
 
     def __init__(self):
         self.asked: collections.Counter[str] = collections.Counter()
+        self.all_right = False  # every question answered right (no group has variance)
 
     def __call__(self, context: str) -> str:
         question = re.search(r"(mixed|same|slow) \d+", context).group(0)
         self.asked[question] += 1
-        right = question.startswith("same") or self.asked[question] % 2 == 1
+        right = self.all_right or question.startswith("same") or self.asked[question] % 2 == 1
         return "<answer>Paris</answer>" if right else "<answer>Lyon</answer>"
 
 
@@ -40,10 +42,11 @@ class SlowEngine(ScriptedEngine):
         return await super().generate(req)
 
 
-def _scheduler(questions, config, engine_cls=ScriptedEngine):
+def _scheduler(questions, config, engine_cls=ScriptedEngine, repeat=False):
     agent = ReActAgent(TOK, [DictSearch(DEMO_PAGES), DictVisit(DEMO_PAGES)],
                        agent_config(sampling=SamplingParams(max_new_tokens=64)))
-    prompts = iter([Prompt(q, "Paris", f"p{i}") for i, q in enumerate(questions)])
+    prompts = cycle(questions, lambda q, uid: Prompt(q, "Paris", uid)) if repeat else \
+        iter([Prompt(q, "Paris", f"p{i}") for i, q in enumerate(questions)])
     judge = RuleJudge()
     return RolloutScheduler(agent, engine_cls(TOK, Policy()), prompts,
                             lambda group: score_group(group, judge), config)
@@ -161,3 +164,66 @@ def test_dropped_groups_can_stay_for_some_roles():
     assert all("trained_roles" not in t.metadata for g in out.groups for t in g)
     assert len(out.trajectories) == 16 and out.metrics["rollout/role_groups"] == 2
     assert out.dropped_groups == 2  # still counted as dropped: they refilled
+
+
+SETTLING = ["same 1", "mixed 2", "same 3", "mixed 4"]
+
+
+def _asked_over_steps(skip: float, steps: int = 12):
+    config = SchedulerConfig(samples_per_prompt=4, groups_per_step=2, dynamic_sampling=True,
+                             skip_settled=skip)
+    sched = _scheduler(SETTLING, config, repeat=True)
+    outs = [asyncio.run(sched.collect(step=s)) for s in range(steps)]
+    return sched, outs
+
+
+def test_settled_prompts_are_skipped_when_they_come_round_again():
+    """`skip_settled` (GRESO): a prompt whose last group was dropped is mostly passed over
+    next time, so the step stops paying for groups it would drop and refill."""
+    plain, plain_outs = _asked_over_steps(skip=0.0)
+    sched, outs = _asked_over_steps(skip=0.9)
+    # the 'same' questions, by their key (their uids differ per epoch: q0.e3)
+    assert plain.settled == sched.settled == {"q0", "q2"}
+    plain_dropped = sum(o.dropped_groups for o in plain_outs)
+    dropped = sum(o.dropped_groups for o in outs)
+    skipped = sum(o.metrics["rollout/skipped_prompts"] for o in outs)
+    assert plain_dropped == 24 and sum(o.skipped_prompts for o in plain_outs) == 0
+    # step 0 meets both 'same' questions unsettled; later draws skip ~90 % of them
+    assert 2 <= dropped <= 8 and skipped == sched.started - 2 * 12 - dropped
+    same = sum(n for q, n in sched.engine.policy.asked.items() if q.startswith("same"))
+    assert same == 4 * dropped < plain.engine.policy.asked["same 1"]
+    # every step still has its groups, all of them with variance
+    assert all(len(o.groups) == 2 for o in outs)
+    assert all(g[0].question.startswith("mixed") for o in outs for g in o.groups)
+
+
+def test_a_group_with_variance_unsettles_its_prompt():
+    config = SchedulerConfig(samples_per_prompt=4, groups_per_step=2, dynamic_sampling=True,
+                             max_refills=0, skip_settled=0.5)
+    sched = _scheduler(["mixed 1", "mixed 2"], config, repeat=True)
+    sched.engine.policy.all_right = True
+    asyncio.run(sched.collect(step=0))
+    assert sched.settled == {"q0", "q1"}
+    sched.engine.policy.all_right = False
+    for step in range(1, 8):
+        asyncio.run(sched.collect(step=step))
+    assert sched.settled == set()
+
+
+def test_a_resumed_scheduler_skips_the_same_prompts():
+    sched, _ = _asked_over_steps(skip=0.5, steps=4)
+    state = sched.state_dict()
+    assert state["settled"] == ["q0", "q2"]
+    fresh = _scheduler(SETTLING, sched.cfg, repeat=True)
+    fresh.load_state_dict(state)
+    assert fresh.settled == sched.settled
+    ahead = [asyncio.run(s.collect(step=4 + i)) for s in (sched, fresh) for i in range(4)]
+    launched = [[g[0].question for g in o.groups + o.role_groups] for o in ahead]
+    assert launched[:4] == launched[4:]
+    skips = [o.skipped_prompts for o in ahead]
+    assert skips[:4] == skips[4:] and sum(skips[:4]) > 0
+
+
+def test_a_question_keeps_its_key_across_epochs():
+    assert [question_key(u) for u in ("q3.e1", "train:0.e12", "my.eval:3", "q3")] == \
+        ["q3", "train:0", "my.eval:3", "q3"]

@@ -506,6 +506,11 @@ class SchedulerConfig:
         "(all outcomes equal; up to groups_per_step of them a step): a per-role reward "
         "manager (rdpo) then ranks those turns by their rubric scores alone, e.g. "
         "[synthesizer], whose extraction is scored against the evidence whatever the outcome")
+    skip_settled: float = bounded(
+        0.0, ge=0.0, le=0.95, help="GRESO: the chance a prompt whose last group was dropped "
+        "(its outcomes all agreed) is skipped when it comes round again; it counts as drawn, "
+        "and a group with differing outcomes clears it. Saves the refills dynamic sampling "
+        "spends on prompts the policy always (or never) solves")
     partial_rollout: bool = bounded(
         False, help="Iris: cut in-flight sessions at the step boundary and resume them next "
         "step from their committed prefix (rollout forest)")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.records.prompt import question_key
 from megatron_rl.records.trajectory import Trajectory
 
 
@@ -36,8 +37,7 @@ class ClimbCounts:
 def query_of(row: dict[str, Any]) -> str:
     """The query a rollout answers: its group id without the epoch suffix (`q3.e1` → `q3`),
     so rollouts of one question across steps and epochs pool together."""
-    group = str(row.get("group_id", ""))
-    return group.rsplit(".e", 1)[0] if ".e" in group else group
+    return question_key(str(row.get("group_id", "")))
 
 
 def correct(row: dict[str, Any]) -> bool:

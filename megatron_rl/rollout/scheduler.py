@@ -6,6 +6,11 @@ queue for the next step. Without partial rollout they start over; with it (Iris)
 session resumes from its last committed message, kept in the rollout forest (`forest.py`), so
 the long tail of a step is not thrown away but finished under the next weights.
 
+With `skip_settled` (GRESO), a prompt whose last group was dropped is skipped, with that
+chance, when the cycle brings it round again: once the policy always (or never) solves a
+question, its groups would only be dropped and refilled. Whether a given draw is skipped
+depends only on the prompt and the draw count, so a resumed run skips the same ones.
+
 Kept groups are returned in launch order (not completion order), so a run whose groups are all
 kept (no over-sampling, no dynamic sampling) builds the same batch whatever the timing.
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -45,6 +51,7 @@ class StepRollouts:
     cancelled_prompts: int = 0     # still running when the step had enough; requeued
     # finished together with the last needed group (one wake-up of the loop): not trained
     surplus_groups: int = 0
+    skipped_prompts: int = 0       # settled prompts passed over (`skip_settled`)
     resumed_samples: int = 0       # sessions continued from a committed prefix
     judge_seconds: float = 0.0     # summed over groups (they are judged concurrently)
     metrics: dict[str, float] = field(default_factory=dict)
@@ -120,17 +127,30 @@ class RolloutScheduler:
         self.prompts, self.cfg = prompts, config or SchedulerConfig()
         self.requeued: deque[PendingGroup] = deque()  # cut last step: first in line
         self.started = 0                              # prompts drawn from `prompts` so far
+        self.settled: set[str] = set()  # question keys whose last group was dropped
+        self.skipped = 0                              # settled prompts passed over so far
         self.forest = RolloutForest()
         self._launched = 0
+
+    def _skips(self, key: str) -> bool:
+        """A settled question's coin for this draw: a function of its key and the draw count."""
+        if key not in self.settled:
+            return False
+        coin = zlib.crc32(f"{key}#{self.started}".encode()) / 2**32
+        return coin < self.cfg.skip_settled
 
     def _next_group(self) -> PendingGroup | None:
         if self.requeued:
             group = self.requeued.popleft()
         else:
-            prompt = next(self.prompts, None)
-            if prompt is None:
-                return None
-            self.started += 1
+            while True:
+                prompt = next(self.prompts, None)
+                if prompt is None:
+                    return None
+                self.started += 1
+                if not self._skips(prompt.question_key):
+                    break
+                self.skipped += 1
             root = self.forest.root(prompt.uid)
             group = PendingGroup(prompt, [root] * self.cfg.samples_per_prompt)
         group.order, self._launched = self._launched, self._launched + 1
@@ -174,9 +194,17 @@ class RolloutScheduler:
         rewards = [t.rewards.get("outcome", 0.0) for t in group]
         return not dynamic_sampling_filter(rewards, [0] * len(group), in_stats).num_dropped
 
+    def _note_outcomes(self, key: str, group: list[Trajectory]) -> None:
+        """Settled: at least two outcomes the filter counts, all equal (an env failure is
+        not the policy's answer, so a group without two such outcomes changes nothing)."""
+        in_stats, _ = trajectory_flags(group)
+        outcomes = {t.rewards.get("outcome", 0.0) for t, s in zip(group, in_stats) if s}
+        if sum(in_stats) >= 2:
+            (self.settled.add if len(outcomes) == 1 else self.settled.discard)(key)
+
     async def collect(self, step: int) -> StepRollouts:
         need = self.cfg.groups_per_step
-        out = StepRollouts([])
+        out, skipped = StepRollouts([]), self.skipped
         kept: list[tuple[int, list[Trajectory]]] = []
         for_roles: list[tuple[int, list[Trajectory]]] = []  # dropped, trained for some roles
         roles = list(self.cfg.dropped_group_roles) if self.cfg.dynamic_sampling else []
@@ -201,6 +229,7 @@ class RolloutScheduler:
                     self.forest.release(group.prompt.uid)
                     trajs = task.result()
                     sampled += [t.rewards.get("outcome", 0.0) for t in trajs]
+                    self._note_outcomes(group.prompt.question_key, trajs)
                     if len(kept) >= need:
                         out.surplus_groups += 1
                     elif self._keep(trajs):
@@ -229,6 +258,7 @@ class RolloutScheduler:
                 group.nodes = [self.forest.root(group.prompt.uid)] * len(group.nodes)
             self.requeued.append(group)
             out.cancelled_prompts += 1
+        out.skipped_prompts = self.skipped - skipped
         out.groups = [trajs for _, trajs in sorted(kept, key=lambda x: x[0])]
         out.role_groups = [trajs for _, trajs in sorted(for_roles, key=lambda x: x[0])]
         out.metrics = {"rollout/groups": len(out.groups),
@@ -236,6 +266,7 @@ class RolloutScheduler:
                        "rollout/dropped_groups": out.dropped_groups,
                        "rollout/cancelled_prompts": out.cancelled_prompts,
                        "rollout/surplus_groups": out.surplus_groups,
+                       "rollout/skipped_prompts": out.skipped_prompts,
                        "rollout/resumed_samples": out.resumed_samples,
                        "time/judge": out.judge_seconds,
                        # every finished group's, dropped ones too: the policy's own rate
@@ -248,7 +279,7 @@ class RolloutScheduler:
         return {"started": self.started, "launched": self._launched,
                 "requeued": [{"prompt": asdict(g.prompt), "nodes": list(g.nodes)}
                              for g in self.requeued],
-                "forest": self.forest.state_dict()}
+                "forest": self.forest.state_dict(), "settled": sorted(self.settled)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict`; `prompts` must be a fresh iterator: the data cursor is
@@ -259,5 +290,6 @@ class RolloutScheduler:
                                  "the checkpoint had started")
         self.started, self._launched = int(state["started"]), int(state.get("launched", 0))
         self.forest.load_state_dict(state["forest"])
+        self.settled = set(state.get("settled", ()))
         self.requeued = deque(PendingGroup(Prompt(**g["prompt"]), list(g["nodes"]))
                               for g in state["requeued"])

@@ -13,7 +13,7 @@ from megatron_rl.agents.registry import AGENTS
 from megatron_rl.config.prompt_template import load_template
 from megatron_rl.config.schema import Config
 from megatron_rl.engines.base import SamplingParams
-from megatron_rl.records.prompt import Prompt
+from megatron_rl.records.prompt import Prompt, epoch_uid
 from megatron_rl.records.trajectory import Trajectory
 from megatron_rl.utils.registry import Registry
 
@@ -71,7 +71,10 @@ def build_agents(cfg: Config, tokenizer: Any, tools: Sequence[Any]) -> tuple[Any
             cls(tokenizer, list(tools), agent_config(cfg, True)))
 
 
-def cycle(items: list[Any], make: Callable[[Any, str], Prompt]) -> Iterator[Prompt]:
+def cycle(items: list[Any], make: Callable[[Any, str], Prompt],
+          key: Callable[[Any], str] | None = None) -> Iterator[Prompt]:
+    """`make(item, uid)` for every item, epoch after epoch; the uid is the item's `key`
+    (default `q<position>`) with the epoch (`epoch_uid`)."""
     for epoch in range(1 << 30):
         for i, item in enumerate(items):
-            yield make(item, f"q{i}.e{epoch}")
+            yield make(item, epoch_uid(key(item) if key else f"q{i}", epoch))

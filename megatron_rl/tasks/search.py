@@ -76,10 +76,8 @@ def data_prompts(cfg: Config, tools: Mapping[str, Mapping[str, Any] | None], n_e
     train = read_prompts(data.train_files, tool_parameters=tools, curriculum=data.curriculum)
     held_out = read_prompts(data.val_files, tool_parameters=tools)[:n_eval] \
         if data.val_files and n_eval else []
-    def epoch_uid(p: Prompt, uid: str) -> Prompt:
-        return dataclasses.replace(p, uid=f"{p.uid}.{uid.rsplit('.')[-1]}")
-
-    return cycle(train, epoch_uid), held_out
+    return cycle(train, lambda p, uid: dataclasses.replace(p, uid=uid), key=lambda p: p.uid), \
+        held_out
 
 
 def client_spec(spec: dict[str, Any], aux_urls: dict[str, list[str]], where: str
