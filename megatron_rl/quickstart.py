@@ -49,12 +49,13 @@ class Budget:
     # teacher-forced steps alike from 450 on (searches, visits, answers 100 %, notes 39-50 %
     # exact): the policy has learnt to copy but 42 of 69 episodes at 550 still search until
     # the turn budget, which RL learns to stop (from 650, where SFT already stops: 0.36 ->
-    # 0.39). A fresh clone, 24 RL steps at T 0.4, 3 seeds: 0.087 -> 0.251 ± 0.017.
+    # 0.39). A fresh clone, 24 RL steps at T 0.4, 3 seeds: 0.087 -> 0.256 ± 0.030.
     # docs/algorithms.md, "SFT stopped before its schedule ends", "Sampling where the eval
     # decodes"
     sft_steps: int = 550
     sft_decay_steps: int = 650
-    # ~30 s each with refills; one probe's held-out pass@1 at steps 8/16/24: 0.25/0.26/0.26
+    # ~27 s each with refills (settled questions skipped: 37 s without); seed 0's held-out
+    # pass@1 at steps 8/16/24: 0.26/0.25/0.29
     rl_steps: int = 24
     eval_questions: int = 0        # 0: the whole held-out split
     step_episodes: int = 16        # held-out oracle episodes `eval-steps` replays per model
