@@ -209,6 +209,7 @@ def crafted_metrics(path: Path, steps: int = 6) -> Path:
                "abnormal/overlong_rate": 0.0, "abnormal/search_error_rate": 0.1,
                "mismatch/train_rollout_logprob_abs_diff": 1e-3 / s,
                "mismatch/rollout_is_mean": 1.0, "loss": 0.5, "note": "not a number",
+               "rollout/groups": 4, "rollout/dropped_groups": 10 - s, "time/step": 30.0,
                "skipped": False}
         if s % 3 == 0:
             row["eval/pass_rate"] = s / 10
@@ -235,13 +236,14 @@ def test_report_keys_pick_what_the_file_has(tmp_path: Path) -> None:
                                     "abnormal/ok_rate", "abnormal/search_error_rate")
     assert keys["mismatch.png"] == ("mismatch/rollout_is_mean",
                                     "mismatch/train_rollout_logprob_abs_diff")
+    assert keys["sampling.png"] == ("rollout/groups", "rollout/dropped_groups", "time/step")
     assert report_keys([{"step": 1, "loss": 1.0}]) == {}
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
     written = write_plots(crafted_metrics(tmp_path / "metrics.jsonl"), tmp_path / "report")
     assert sorted(written) == ["abnormal.png", "mismatch.png", "reward_accuracy.png",
-                               "reward_per_role.png", "tool_calls.png"]
+                               "reward_per_role.png", "sampling.png", "tool_calls.png"]
     for path in written.values():
         data = path.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, path
@@ -258,5 +260,5 @@ def test_write_report_of_a_run_dir(tmp_path: Path) -> None:
         "".join(json.dumps(r) + "\n" for r in rows()) + '{"step": 3, "uid": "cut mid-wr')
     written = write_report(tmp_path)
     assert written["trajectories.html"] == tmp_path / "report" / "trajectories.html"
-    assert len(written) == 6
+    assert len(written) == 7
     assert embedded(written["trajectories.html"].read_text())["total"] == 3

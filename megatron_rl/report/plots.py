@@ -8,6 +8,7 @@
 | `tool_calls.png` | `tools/calls_mean`, `tools/<name>_calls`, `tools/<name>_error_rate`, turns |
 | `abnormal.png` | env / model failure and ok rates, each label's rate that is ever non-zero |
 | `mismatch.png` | `mismatch/…` (train vs. rollout log-probs, TIS), `rollout/stale_token_fraction` |
+| `sampling.png` | groups kept / dropped / kept for some roles, prompts skipped / cut, seconds |
 
 The roles are the ones the taxonomy counted turns for (`rollout/<role>_turns_mean`). A figure
 none of whose metrics is in the file is not written; a value that is not a number is skipped.
@@ -26,6 +27,8 @@ REWARD_ACCURACY = ("reward/outcome_mean", "rollout/sampled_outcome_mean", "rollo
                    "eval/judged_pass_rate")
 FAILURE_TOTALS = ("abnormal/env_failure_rate", "abnormal/model_failure_rate",
                   "abnormal/ok_rate", "rollout/length_finish_rate")
+SAMPLING = ("rollout/groups", "rollout/dropped_groups", "rollout/role_groups",
+            "rollout/skipped_prompts", "rollout/cancelled_prompts", "time/generate", "time/step")
 _ROLE_TURNS = re.compile(r"rollout/([A-Za-z0-9_.-]+)_turns_mean")
 _TOOL = re.compile(r"tools/[A-Za-z0-9_.-]+_(calls|error_rate)")
 _LABEL_RATE = re.compile(r"abnormal/[a-z_]+_rate")
@@ -63,6 +66,7 @@ def report_keys(rows: list[dict[str, Any]]) -> dict[str, tuple[str, ...]]:
         "abnormal.png": (*FAILURE_TOTALS, *labels),
         "mismatch.png": (*sorted(k for k in keys if k.startswith("mismatch/")),
                          "rollout/stale_token_fraction"),
+        "sampling.png": SAMPLING,
     }
     out = {}
     for name, wanted in figures.items():
