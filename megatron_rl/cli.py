@@ -588,7 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "its eval at this many seeds from the same SFT checkpoint (the report gives "
                    "mean ± std and the gain over SFT)")
     q.add_argument("--ablation", action="store_true", help="also RL with GRPO, mixed-role "
-                   "RDPO and ReAct+GRPO from the same SFT start, evaluated alike")
+                   "RDPO and ReAct+GRPO from the same SFT start, evaluated alike (at every "
+                   "--rl-seeds seed, after all of them at the first)")
     q.set_defaults(func=_quickstart)
 
     su = sub.add_parser("slurm", help="multi-node runs on Slurm (slurm/, docs/slurm.md)")

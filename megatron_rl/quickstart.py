@@ -255,10 +255,18 @@ def _eval_stage(out: Path, like: Stage, label: str, model_dir: str, agent: str) 
     return Stage(f"eval-{label}", argv, out / f"eval/{label}/summary.json")
 
 
-def ablation_stages(out: Path, main: list[Stage], seed: int, b: Budget) -> list[Stage]:
-    """One RL run and its held-out eval per variant (RDPO itself is the main run): the
-    IterSynth ones first (from the main SFT checkpoint), then the ReAct demonstrations, their
-    SFT, its eval and the ReAct variant."""
+def ablation_runs(name: str, rl_seeds: int) -> list[str]:
+    """A variant's runs (their eval folders under `eval/`): the main seed, then the others."""
+    return [name, *(f"{name}-seed{k}" for k in range(1, rl_seeds))]
+
+
+def ablation_stages(out: Path, main: list[Stage], seed: int, b: Budget, rl_seeds: int = 1
+                    ) -> list[Stage]:
+    """One RL run and its held-out eval per variant (RDPO itself is the main run) at the main
+    seed: the IterSynth ones first (from the main SFT checkpoint), then the ReAct
+    demonstrations, their SFT, its eval and the ReAct variant; then every variant again at
+    the `rl_seeds - 1` other seeds of the main run's `seed_stages`. A run cut short still
+    compares every method at one seed."""
     q = out / "questions"
     ev = next(s for s in main if s.name == "eval-sft")
     itersynth: list[Stage] = []
@@ -266,13 +274,18 @@ def ablation_stages(out: Path, main: list[Stage], seed: int, b: Budget) -> list[
              *_teacher_stages(out, "react-one-hop", "react", q / "one_hop/train.parquet", 1),
              _sft_stage(out, "sft-react", out / REACT_SFT, ("react", "react-one-hop"), seed, b),
              _eval_stage(out, ev, "sft_react", f"{{{REACT_SFT}/hf}}", "react")]
+    seeds: list[list[Stage]] = [[] for _ in range(rl_seeds)]  # by seed: methods side by side
     for name, overrides in ABLATION.items():
-        if "rl.agent=react" in overrides:
+        agent = "react" if "rl.agent=react" in overrides else "itersynth"
+        if agent == "react":
             overrides = [*overrides, f"checkpoint.init_from={out / REACT_SFT / 'checkpoints'}"]
-            react += rl_variant(out, main, f"ablation/{name}", overrides, "react")
-        else:
-            itersynth += rl_variant(out, main, f"ablation/{name}", overrides, "itersynth")
-    return itersynth + react
+        runs = ablation_runs(name, rl_seeds)
+        (react if agent == "react" else itersynth).extend(
+            rl_variant(out, main, f"ablation/{runs[0]}", overrides, agent))
+        for k, run in enumerate(runs[1:], 1):
+            seeds[k] += rl_variant(out, main, f"ablation/{run}",
+                                   [*overrides, f"train.seed={seed + k}"], agent)
+    return itersynth + react + [stage for at_seed in seeds for stage in at_seed]
 
 
 def seed_runs(rl_seeds: int) -> list[str]:
@@ -424,6 +437,29 @@ def _seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
             f"| mean ± std | {mean:.3f} ± {std:.3f} | {mean - sft:+.3f} |"]
 
 
+def _pass_at_1(out: Path, run: str) -> float | None:
+    path = out / f"eval/{run}/summary.json"
+    return json.loads(path.read_text())["pass@1"] if path.is_file() else None
+
+
+def _ablation_seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
+    """Each RL method's held-out pass@1 at every seed it has run, their mean ± std."""
+    methods = [("rl", "rdpo (itersynth)", seed_runs(rl_seeds))] + [
+        (name, label, ablation_runs(name, rl_seeds))
+        for name, label in ABLATION_ROWS if name in ABLATION]
+    rows = ["| RL method | " + " | ".join(f"seed {seed + k}" for k in range(rl_seeds))
+            + " | mean ± std |", "|---|" + "---|" * (rl_seeds + 1)]
+    for _, label, runs in methods:
+        acc = [_pass_at_1(out, r) for r in runs]
+        have = [a for a in acc if a is not None]
+        mean = sum(have) / len(have) if have else float("nan")
+        std = (sum((a - mean) ** 2 for a in have) / max(len(have) - 1, 1)) ** 0.5
+        rows.append(f"| {label} | " + " | ".join("not run" if a is None else f"{a:.3f}"
+                                                  for a in acc)
+                    + (f" | {mean:.3f} ± {std:.3f} ({len(have)}) |" if have else " | |"))
+    return rows
+
+
 def _mean_rate(rows: list[dict[str, Any]]) -> str:
     """Over every group a step sampled (dynamic sampling's dropped ones too): the kept groups'
     `rollout/pass_rate` is near 0.5 by construction."""
@@ -450,6 +486,9 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int =
                    if (out / f"eval/{name}/summary.json").is_file()
                    else f"| {label} | not run | | | | | | |"
                    for name, label in ABLATION_ROWS]]
+        if rl_seeds > 1:
+            rows += ["", f"### Ablation over {rl_seeds} seeds (held-out pass@1)", "",
+                     *_ablation_seed_rows(out, seed, rl_seeds)]
     sft = [json.loads(x) for x in (out / "sft/metrics.jsonl").read_text().splitlines()]
     rl = [json.loads(x) for x in (out / "rl/metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/loss"] for r in sft if "eval/loss" in r]
@@ -494,7 +533,7 @@ def quickstart(out: Path, seed: int = 0, smoke: bool = False, ablation: bool = F
     budget = SMOKE if smoke else FULL
     main = stages(out, seed, budget)
     extra = seed_stages(out, main, seed, rl_seeds) + (
-        ablation_stages(out, main, seed, budget) if ablation else [])
+        ablation_stages(out, main, seed, budget, rl_seeds) if ablation else [])
     state = run_stages(out, main + extra, run)
     path = report(out, state, ablation, seed, rl_seeds, frozenset(s.name for s in extra))
     print(f"[quickstart] report: {path}", flush=True)

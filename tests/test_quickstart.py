@@ -292,3 +292,43 @@ def test_the_ablation_leaves_the_main_path_alone_and_react_gets_its_own_sft(tmp_
     names = [s.name for s in main + extra]
     assert names.index("sft-react") > names.index("filter-react-one-hop")
     assert names.index("rl-react_grpo") > names.index("sft-react")
+
+
+def test_the_ablation_runs_every_method_at_every_seed_after_all_of_them_at_the_first(tmp_path):
+    main = q.stages(tmp_path, 0, q.FULL)
+    extra = q.ablation_stages(tmp_path, main, 7, q.FULL, rl_seeds=3)
+    by_name = {s.name: s for s in main + extra}
+    assert len(by_name) == len(main) + len(extra)
+    names = [s.name for s in extra]
+    rl_runs = [n for n in names if n.startswith("rl-")]
+    assert rl_runs == ["rl-grpo", "rl-rdpo_mixed", "rl-react_grpo",
+                       "rl-grpo-seed1", "rl-rdpo_mixed-seed1", "rl-react_grpo-seed1",
+                       "rl-grpo-seed2", "rl-rdpo_mixed-seed2", "rl-react_grpo-seed2"]
+
+    def arg(stage: str, key: str) -> str:
+        return next(a.split("=", 1)[1] for a in by_name[stage].argv if a.startswith(key + "="))
+
+    # the main run's seed is its recipe's; each extra seed replaces it once
+    assert by_name["rl-grpo-seed2"].argv.count("train.seed=9") == 1
+    assert not any(a.startswith("train.seed=") and a != "train.seed=9"
+                   for a in by_name["rl-grpo-seed2"].argv)
+    assert arg("rl-rdpo_mixed-seed1", "rl.reward_manager") == "rdpo_mixed"
+    assert arg("rl-react_grpo-seed1", "checkpoint.init_from").endswith("ablation/sft_react/"
+                                                                       "checkpoints")
+    assert arg("rl-grpo-seed1", "train.output_dir").endswith("ablation/grpo-seed1")
+    ev = by_name["eval-react_grpo-seed2"].argv
+    assert ev[ev.index("--agent") + 1] == "react" and ev[ev.index("--out") + 1].endswith(
+        "eval/react_grpo-seed2")
+
+
+def test_the_report_gives_each_method_over_the_seeds_it_ran(tmp_path):
+    for run, acc in (("rl", 0.29), ("seed1", 0.23), ("seed2", 0.25), ("grpo", 0.12),
+                     ("grpo-seed1", 0.2), ("rdpo_mixed", 0.3)):
+        (tmp_path / f"eval/{run}").mkdir(parents=True)
+        (tmp_path / f"eval/{run}/summary.json").write_text(json.dumps({"pass@1": acc}))
+    rows = q._ablation_seed_rows(tmp_path, 0, 3)
+    assert rows[0] == "| RL method | seed 0 | seed 1 | seed 2 | mean ± std |"
+    assert rows[2] == "| rdpo (itersynth) | 0.290 | 0.230 | 0.250 | 0.257 ± 0.031 (3) |"
+    assert rows[3] == "| grpo (itersynth) | 0.120 | 0.200 | not run | 0.160 ± 0.057 (2) |"
+    assert rows[4] == "| rdpo_mixed (itersynth) | 0.300 | not run | not run | 0.300 ± 0.000 (1) |"
+    assert rows[5] == "| grpo (react) | not run | not run | not run | |"
