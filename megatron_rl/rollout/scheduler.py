@@ -9,7 +9,7 @@ the long tail of a step is not thrown away but finished under the next weights.
 With `skip_settled` (GRESO), a prompt whose last group was dropped is skipped, with that
 chance, when the cycle brings it round again: once the policy always (or never) solves a
 question, its groups would only be dropped and refilled. Whether a given draw is skipped
-depends only on the prompt and the draw count, so a resumed run skips the same ones.
+depends only on the question's key and the draw count, so a resumed run skips the same ones.
 
 Kept groups are returned in launch order (not completion order), so a run whose groups are all
 kept (no over-sampling, no dynamic sampling) builds the same batch whatever the timing.
