@@ -444,12 +444,12 @@ def _pass_at_1(out: Path, run: str) -> float | None:
 
 def _ablation_seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
     """Each RL method's held-out pass@1 at every seed it has run, their mean ± std."""
-    methods = [("rl", "rdpo (itersynth)", seed_runs(rl_seeds))] + [
-        (name, label, ablation_runs(name, rl_seeds))
-        for name, label in ABLATION_ROWS if name in ABLATION]
+    methods = [("rdpo (itersynth)", seed_runs(rl_seeds))] + [
+        (label, ablation_runs(name, rl_seeds)) for name, label in ABLATION_ROWS
+        if name in ABLATION]
     rows = ["| RL method | " + " | ".join(f"seed {seed + k}" for k in range(rl_seeds))
             + " | mean ± std |", "|---|" + "---|" * (rl_seeds + 1)]
-    for _, label, runs in methods:
+    for label, runs in methods:
         acc = [_pass_at_1(out, r) for r in runs]
         have = [a for a in acc if a is not None]
         mean = sum(have) / len(have) if have else float("nan")

@@ -187,20 +187,15 @@ class RolloutScheduler:
         out.judge_seconds += time.perf_counter() - t0
         return list(trajs)
 
-    def _keep(self, group: list[Trajectory]) -> bool:
-        if not self.cfg.dynamic_sampling:
-            return True
+    @staticmethod
+    def _outcomes_differ(group: list[Trajectory]) -> bool | None:
+        """Whether the outcomes DAPO's filter counts differ; None with fewer than two of them
+        (an env failure is not the policy's answer: such a group settles nothing)."""
         in_stats, _ = trajectory_flags(group)
+        if sum(in_stats) < 2:
+            return None
         rewards = [t.rewards.get("outcome", 0.0) for t in group]
         return not dynamic_sampling_filter(rewards, [0] * len(group), in_stats).num_dropped
-
-    def _note_outcomes(self, key: str, group: list[Trajectory]) -> None:
-        """Settled: at least two outcomes the filter counts, all equal (an env failure is
-        not the policy's answer, so a group without two such outcomes changes nothing)."""
-        in_stats, _ = trajectory_flags(group)
-        outcomes = {t.rewards.get("outcome", 0.0) for t, s in zip(group, in_stats) if s}
-        if sum(in_stats) >= 2:
-            (self.settled.add if len(outcomes) == 1 else self.settled.discard)(key)
 
     async def collect(self, step: int) -> StepRollouts:
         need = self.cfg.groups_per_step
@@ -229,10 +224,13 @@ class RolloutScheduler:
                     self.forest.release(group.prompt.uid)
                     trajs = task.result()
                     sampled += [t.rewards.get("outcome", 0.0) for t in trajs]
-                    self._note_outcomes(group.prompt.question_key, trajs)
+                    differ = self._outcomes_differ(trajs)
+                    if differ is not None:
+                        (self.settled.discard if differ else self.settled.add)(
+                            group.prompt.question_key)
                     if len(kept) >= need:
                         out.surplus_groups += 1
-                    elif self._keep(trajs):
+                    elif differ or not self.cfg.dynamic_sampling:
                         kept.append((group.order, trajs))
                     else:
                         out.dropped_groups += 1
