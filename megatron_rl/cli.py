@@ -561,6 +561,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=2048)
     ev.add_argument("--retries", type=int, default=1)
     ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument("--unstick-temperature", dest="unstick_temperature", type=float,
+                    default=0.0, help="IterSynth at temperature 0: notes the Synthesizer left "
+                    "unchanged after new evidence are decoded once more at this temperature "
+                    "(else the next step repeats the last); 0 = off")
+    ev.add_argument("--seed", type=int, default=0, help="sampled requests' seeds derive from "
+                    "it and the request id (reproducible sampled evals)")
     ev.add_argument("--no-tool-specs", dest="tool_specs", action="store_false",
                     help="leave the tools' schemas out of the system prompt (a policy trained "
                          "so: data teacher --no-tool-specs, rl.tool_specs=false)")

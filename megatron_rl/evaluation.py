@@ -46,6 +46,8 @@ class EvalConfig:
     # restart repeats the same episode; 0 of 29 succeeded in the quickstart's evals)
     retries: int = 1
     temperature: float = 0.0
+    unstick_temperature: float = 0.0  # IterSynth, greedy: re-decode notes that did not change
+    seed: int = 0                     # sampled requests' seeds derive from it and the request
 
 
 def read_questions(path: str, limit: int | None = None) -> list[dict[str, Any]]:
@@ -142,7 +144,8 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     tokenizer = _tokenizer(cfg)
     agent_cfg = AgentConfig(max_turns=cfg.max_turns, sampling=SamplingParams(
         temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
-        max_context_tokens=max(32_768, 4 * cfg.max_new_tokens), tool_specs=cfg.tool_specs)
+        max_context_tokens=max(32_768, 4 * cfg.max_new_tokens), tool_specs=cfg.tool_specs,
+        unstick_temperature=cfg.unstick_temperature, seed=cfg.seed)
     agent = for_eval(agent_cls(tokenizer, _tools(cfg), agent_cfg), discard_all=True,
                      retries=cfg.retries if cfg.temperature > 0 else 0)
     server = None

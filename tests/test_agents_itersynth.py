@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megatron_rl.agents import IterSynthAgent
 from megatron_rl.agents.itersynth import NO_NOTES
+from megatron_rl.engines.base import SamplingParams
 from megatron_rl.records.trajectory import Trajectory
 from tests.fakes import PARIS
 from tests.fakes import tool_call_text as call
@@ -99,3 +100,23 @@ def test_without_tool_specs_the_planner_prompt_is_short_and_the_tools_still_run(
     assert saved > 100, saved
     # the Synthesizer never had them
     assert without.turns[1].context_ids == with_specs.turns[1].context_ids
+
+
+def test_greedy_notes_left_unchanged_are_decoded_once_more_with_sampling() -> None:
+    """At temperature 0 a step whose notes did not change is repeated for the rest of the
+    episode (the notes are the only state): `unstick_temperature` re-decodes them once."""
+    script = [call("search", query="capital of France"), NOTES_1,
+              call("visit", url=PARIS), NOTES_1, NOTES_2, ANSWER]
+    sampling = SamplingParams(max_new_tokens=256, temperature=0.0)
+    traj, engine = episode(script, agent_cls=IterSynthAgent, sampling=sampling,
+                           unstick_temperature=0.7)
+    assert traj.answer == "Paris" and traj.metadata["unstuck"] == 1
+    assert traj.roles == ["planner", "synthesizer", "planner", "synthesizer", "synthesizer",
+                          "planner"]
+    assert traj.metadata["summaries"] == [NOTES_1, NOTES_2]
+    assert [r.sampling.temperature for r in engine.requests] == [0.0] * 4 + [0.7, 0.0]
+    assert engine.requests[4].input_ids == engine.requests[3].input_ids  # the same evidence
+    # off by default, and never when the episode already samples
+    for kwargs in ({"sampling": sampling}, {"unstick_temperature": 0.7}):
+        plain = episode(script[:4] + script[5:], agent_cls=IterSynthAgent, **kwargs)[0]
+        assert "unstuck" not in plain.metadata and plain.roles.count("synthesizer") == 2

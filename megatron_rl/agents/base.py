@@ -68,6 +68,10 @@ class AgentConfig:
     # False: the tools' JSON schemas stay out of the system prompt (~600 tokens for search and
     # visit): a small model that learned the call format in SFT copies names across them poorly
     tool_specs: bool = True
+    # greedy decoding only (IterSynth): a Synthesizer that leaves the notes unchanged after new
+    # evidence makes the next step repeat the last one for the rest of the episode (the state is
+    # the notes alone); it is decoded once more at this temperature. 0 = off
+    unstick_temperature: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens"):
@@ -78,6 +82,9 @@ class AgentConfig:
         if self.sampling.max_new_tokens >= self.max_context_tokens:
             raise ValueError(f"sampling.max_new_tokens={self.sampling.max_new_tokens} leaves no "
                              f"room for a prompt in max_context_tokens={self.max_context_tokens}")
+        if self.unstick_temperature < 0:
+            raise ValueError(f"AgentConfig.unstick_temperature={self.unstick_temperature} must "
+                             "be >= 0")
         if self.chat_format not in CHAT_FORMATS:
             raise ValueError(f"AgentConfig.chat_format={self.chat_format!r}: expected one of "
                              f"{', '.join(CHAT_FORMATS)}")
@@ -171,9 +178,10 @@ class BaseAgent:
         return len(context) + self.sampling.max_new_tokens > self.config.max_context_tokens
 
     async def message(self, engine: RolloutEngine, traj: Trajectory, context: list[int],
-                      role: str) -> Message:
+                      role: str, temperature: float | None = None) -> Message:
         """Generate until the message ends: a cut (`length`) output is resumed from context +
-        output up to `max_continuations` times, an aborted one (weight update) always."""
+        output up to `max_continuations` times, an aborted one (weight update) always.
+        `temperature` overrides the configured one for this message."""
         cfg = self.config
         out: list[int] = []
         turns: list[Turn] = []
@@ -183,8 +191,11 @@ class BaseAgent:
                 traj.add_label("overlong", traj.turns[-1] if traj.turns else None)
                 return Message(turns, out, self.chat.decode(out), True)
             rid = f"{traj.uid}/{len(traj.turns)}"
+            sampling = self.sampling_for(rid)
+            if temperature is not None:
+                sampling = dataclasses.replace(sampling, temperature=temperature)
             res = await engine.generate(GenerateRequest(
-                rid, list(context), self.sampling_for(rid),
+                rid, list(context), sampling,
                 return_routed_experts=cfg.return_routed_experts))
             turn = Turn(role, list(context), list(res.output_ids), list(res.output_logprobs),
                         list(res.weight_versions), finish_reason=res.finish_reason,

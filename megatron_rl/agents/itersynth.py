@@ -78,6 +78,12 @@ class IterSynthAgent(BaseAgent):
                 f"\n\n{QUESTION_LAST}{safe(question)}")
         return self.chat.prompt_ids(self.synthesizer_prompt, user)
 
+    def stuck(self, synth: Any, summary: str) -> bool:
+        """Greedy notes that did not change: the next step would repeat this one."""
+        cfg = self.config
+        return (cfg.unstick_temperature > 0 and cfg.sampling.temperature == 0
+                and not synth.ended and self.visible(synth.text).strip() == summary)
+
     async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
                   group_id: str, uid: str, resume: Resume | None = None,
                   commit: Commit | None = None, messages: Messages | None = None
@@ -93,9 +99,12 @@ class IterSynthAgent(BaseAgent):
             if acted is None:
                 break
             calls, within_budget = acted
-            synth = await self.message(
-                engine, traj, self.synthesizer_context(question, summary, calls),
-                "synthesizer")
+            context = self.synthesizer_context(question, summary, calls)
+            synth = await self.message(engine, traj, context, "synthesizer")
+            if self.stuck(synth, summary):
+                traj.metadata["unstuck"] = traj.metadata.get("unstuck", 0) + 1
+                synth = await self.message(engine, traj, context, "synthesizer",
+                                           temperature=cfg.unstick_temperature)
             if synth.ended:
                 break
             if self.parse(synth.text).kind != "none":  # the Synthesizer may only write notes
