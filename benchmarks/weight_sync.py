@@ -9,6 +9,12 @@ gather (shards → canonical tensors) / convert (HF layout) / transfer (serialis
 load; for one-copy: the writes into the engine's parameters and the begin/commit flip).
 
     python benchmarks/weight_sync.py [--layers 6 --hidden 512 --experts 16 --bucket-mb 512]
+        [--two-ranks ep2,pp2]
+
+`--two-ranks`: the same model on two gloo ranks (a worker pool) at each layout, where the
+gather reduces (EP2: every layer's experts are split) or is done per stage (PP2): the bucketed
+path with the look-ahead against the same without it (`-serial`), and at PP2 a sender per
+stage against everything reduced onto rank 0 (`-rank0`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,54 @@ def _memcpy_bytes_per_s(nbytes: int, repeats: int = 3) -> float:
     return nbytes / best
 
 
+def _two_rank_job(spec: str, url: str, layout: str, transports: list[str], bucket_mb: int,
+                  repeats: int, version: int) -> list[tuple[str, float, object]]:
+    """Run on each rank of a 2-rank pool: every transport's first and best steady sync
+    (rank 0's stats; the wall time is the slowest rank's)."""
+    import torch.distributed as dist
+
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.trainer.actor import MegatronActor
+    from megatron_rl.trainer.weight_sync import WeightSyncer, gatherer_for
+
+    actor = MegatronActor(load_config(None, [f"model.name={spec}", "model.seq_length=64",
+                                             "train.global_batch_size=2",
+                                             "train.micro_batch_size=1",
+                                             f"parallel.{layout[:2]}={layout[2:]}"]))
+    gatherer, rows = gatherer_for(actor), []
+    for transport in transports:
+        one_copy = transport.startswith("one-copy")
+        with WeightSyncer(gatherer, [url], transport="tensor", bucket_bytes=bucket_mb << 20,
+                          one_copy=one_copy, overlap=not transport.endswith("-serial"),
+                          by_stage=not transport.endswith("-rank0")) as syncer:
+            timed = []
+            for _ in range(1 + repeats):
+                version += 1
+                dist.barrier()
+                t0 = time.perf_counter()
+                stats = syncer.sync(version)
+                dist.barrier()  # done when the last rank is
+                timed.append((time.perf_counter() - t0, stats))
+        rows.append((f"{layout} {transport} (first)", *timed[0]))
+        rows.append((f"{layout} {transport} (steady)", *min(timed[1:], key=lambda r: r[0])))
+    return rows
+
+
+def _two_rank_rows(a: argparse.Namespace, spec: Path, url: str, version: int) -> list:
+    from megatron_rl.distributed.worker_pool import WorkerPool
+
+    rows = []
+    with WorkerPool(2, threads_per_rank=1) as pool:
+        for layout in a.two_ranks.split(","):
+            transports = ["one-copy", "tensor", "tensor-serial"]
+            if layout.startswith("pp"):
+                transports += ["one-copy-rank0", "tensor-rank0"]
+            rows += pool.run(_two_rank_job, str(spec), url, layout, transports, a.bucket_mb,
+                             a.repeats, version, timeout=1800)[0]
+            version += 2 * len(transports) * (1 + a.repeats)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_size_args(p, layers=6, hidden=512, experts=16)
@@ -46,6 +100,8 @@ def main() -> None:
                         "parameters; tensor: the same transport with shm buckets; a "
                         "'-serial' suffix: without the look-ahead (bucket k+1 gathered only "
                         "after bucket k was sent)")
+    p.add_argument("--two-ranks", default="", help="layouts to sync from 2 ranks too, e.g. "
+                   "ep2,pp2")
     a = p.parse_args()
 
     from megatron_rl.checkpoint.convert import export_hf
@@ -90,6 +146,8 @@ def main() -> None:
                         timed.append((time.perf_counter() - t0, stats))
                     rows.append((f"{transport} (first)", *timed[0]))
                     rows.append((f"{transport} (steady)", *min(timed[1:], key=lambda r: r[0])))
+            if a.two_ranks:
+                rows += _two_rank_rows(a, spec, url, version)
         finally:
             server.terminate()
             server.wait()
@@ -98,24 +156,29 @@ def main() -> None:
     print(f"model: {a.layers} layers, hidden {a.hidden}, {a.experts} experts; "
           f"{nbytes / 1e6:.0f} MB of weights ({rows[0][2].tensors} HF tensors); "
           f"bucket {a.bucket_mb} MB; memcpy {memcpy / 1e9:.2f} GB/s")
-    print(f"{'transport':22s} {'seconds':>8s} {'MB/s':>8s} {'÷ memcpy':>9s} "
+    print(f"{'transport':28s} {'seconds':>8s} {'MB/s':>8s} {'÷ memcpy':>9s} "
           f"{'gather':>7s} {'convert':>8s} {'transfer':>9s}")
     for transport, secs, s in rows:
-        rate = s.bytes / secs
-        print(f"{transport:22s} {secs:8.2f} {rate / 1e6:8.0f} {rate / memcpy:9.3f} "
+        rate = nbytes / secs
+        print(f"{transport:28s} {secs:8.2f} {rate / 1e6:8.0f} {rate / memcpy:9.3f} "
               f"{s.gather_s:7.2f} {s.convert_s:8.2f} {s.transfer_s:9.2f}"
               + (f"  (write {s.extra['write_s']:.2f}, flip {s.extra['flip_s']:.3f})"
                  if "write_s" in s.extra else "")
               + (f"  (phases overlap: {s.gather_s + s.convert_s + s.transfer_s:.2f} s of "
                  f"work in {s.wall_s:.2f} s)" if s.wall_s is not None else ""))
-    steady = {t.split()[0]: s.bytes / secs / memcpy for t, secs, s in rows
+    # rates of the whole model's bytes (a per-stage sender's stats count its own share)
+    steady = {t.removesuffix(" (steady)"): nbytes / secs / memcpy for t, secs, _ in rows
               if t.endswith("(steady)")}
-    best = max(steady, key=steady.get)
-    emit(f"weight sync / memcpy, steady ({best})", steady[best], 0.8)
+    one_rank = {t: r for t, r in steady.items() if " " not in t}
+    best = max(one_rank, key=one_rank.get)
+    emit(f"weight sync / memcpy, steady ({best})", one_rank[best], 0.8)
     for t in [t for t in steady if f"{t}-serial" in steady]:
         # the same transport and buckets: wall time with the look-ahead / without
         emit(f"weight sync with look-ahead / without, steady ({t}, {a.bucket_mb} MB buckets)",
              steady[f"{t}-serial"] / steady[t], 0.9, better="lower")
+    for t in [t for t in steady if f"{t}-rank0" in steady]:
+        emit(f"weight sync by stage / through rank 0, steady ({t})",
+             steady[f"{t}-rank0"] / steady[t], 0.9, better="lower")
 
 
 if __name__ == "__main__":

@@ -39,14 +39,16 @@ def _broadcast(obj):
 def step_sync_probe(overrides: list[str], init: str, url: str, transport: str,
                     version: int, disk_dir: str, sync_first: bool = False) -> dict:
     """One optimizer step, then: engine log-probs before the sync, sync, engine log-probs after;
-    the trainer's log-probs of the same tokens. Every rank returns the same dict.
+    the trainer's log-probs of the same tokens, the same on every rank; this rank's sync
+    stats (what it sent, how many layers it reduced).
     `sync_first`: the same syncer also syncs once before the step (version - 1), so the
     second sync shows what a run's later syncs send."""
     actor = dist_cases.make_actor(["model.seq_length=24", "train.global_batch_size=2",
                                    *overrides])
     load_checkpoint(actor, init, optimizer=False, rng=False)
-    with WeightSyncer(gatherer_for(actor), [url], transport=transport, bucket_bytes=64 << 10,
-                      disk_dir=disk_dir) as syncer:
+    one_copy = transport != "tensor-http"  # the bucketed tensor path even on loopback
+    with WeightSyncer(gatherer_for(actor), [url], transport=transport.removesuffix("-http"),
+                      bucket_bytes=64 << 10, disk_dir=disk_dir, one_copy=one_copy) as syncer:
         if sync_first:
             syncer.sync(version - 1)
         actor.train_step(dist_cases.fixed_batch(rows=2, seq=24), lm_loss)
@@ -61,4 +63,4 @@ def step_sync_probe(overrides: list[str], init: str, url: str, transport: str,
 
     return {"before": before, "after": after, "trainer_before": trainer_logprobs(before[0]),
             "trainer_after": trainer_logprobs(after[0]), "tensors": stats.tensors,
-            "bytes": stats.bytes}
+            "bytes": stats.bytes, "reduced_layers": stats.extra["reduced_layers"]}

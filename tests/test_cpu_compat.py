@@ -74,3 +74,43 @@ def test_transformers_unaffected_by_shims(tmp_path):
                        capture_output=True)
         out[mode] = torch.load(path, weights_only=True)
     assert torch.equal(out["shims"], out["plain"])
+
+
+UNPERMUTE = """
+import json, torch
+import megatron.core.transformer.moe.moe_utils as mu
+from megatron_rl.models import cpu_compat
+
+upstream = mu.unpermute
+cpu_compat.apply()
+assert mu.unpermute is not upstream
+torch.manual_seed(0)
+same = []
+for tokens, experts, topk in ((64, 4, 2), (96, 8, 4), (5, 4, 4)):
+    logits = torch.randn(tokens, experts)
+    probs_full, top = torch.topk(logits.softmax(-1), topk)
+    routing = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, top, True)
+    probs = torch.zeros(tokens, experts).scatter(1, top, probs_full)
+    hidden = torch.randn(tokens, 16)
+    permuted, _, order = mu.permute(hidden, routing, num_out_tokens=tokens * topk)[:3]
+    expert_out = (permuted * 3.7).sin()
+    for use_probs in (True, False):
+        grads, outs = [], []
+        for fn in (upstream, mu.unpermute):
+            x = expert_out.detach().requires_grad_()
+            p = probs.detach().requires_grad_()
+            out = fn(x, order, hidden.shape, p if use_probs else None, routing)
+            out.pow(2).sum().backward()
+            outs.append(out)
+            grads.append((x.grad, p.grad))
+        same.append(torch.equal(*outs) and torch.equal(grads[0][0], grads[1][0])
+                    and (not use_probs or torch.equal(grads[0][1], grads[1][1])))
+print(json.dumps(same))
+"""
+
+
+def test_unpermute_shim_is_bitwise_upstream_forward_and_backward():
+    """index_add_ instead of scatter_add_: the same sums in the same order, top-2 and top-4."""
+    out = subprocess.run([sys.executable, "-c", UNPERMUTE], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert json.loads(out) == [True] * 6

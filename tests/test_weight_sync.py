@@ -14,7 +14,10 @@ TOL = 1e-5
 CASES = {  # layout → transport (ranks: 2 unless named)
     "ep2-tensor": (["parallel.ep=2"], "tensor"),
     "tp2-distributed": (["parallel.tp=2"], "distributed"),
+    # a sender per pipeline stage: each writes the layers it holds whole, nothing is reduced
     "pp2-disk": (["parallel.pp=2"], "disk"),
+    "pp2-tensor": (["parallel.pp=2"], "tensor"),
+    "pp2-tensor-http": (["parallel.pp=2"], "tensor-http"),
     # one rank: the one-copy path hands over live parameter views, the same ones every sync
     "1rank-tensor-twice": (["parallel.ep=1"], "tensor"),
 }
@@ -29,6 +32,12 @@ def initial(tmp_path_factory):
     hf = root / "hf"
     export_hf(init, str(hf), "tiny-moe", progress=False)
     return init, hf
+
+
+def _hf_tensors(folder) -> int:
+    from safetensors import safe_open
+
+    return sum(len(safe_open(str(f), "pt").keys()) for f in folder.glob("*.safetensors"))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -50,6 +59,13 @@ def test_engine_matches_trainer_after_sync(case, initial, tmp_path):
     assert set(r["before"][2]) == {6 if one else 0}
     assert stale > 1e-3  # the step moved the weights: the test can see a missed sync
     assert mismatch <= TOL
+    if case.startswith("pp2"):
+        assert [g["reduced_layers"] for g in got] == [0, 0]
+        assert all(g["tensors"] > 0 for g in got)
+        assert sum(g["tensors"] for g in got) == _hf_tensors(hf)
+    elif not one:  # one sender: rank 0 gets every layer by reduction
+        assert got[1]["tensors"] == 0 and r["tensors"] == _hf_tensors(hf)
+        assert r["reduced_layers"] > 0
 
 
 def test_the_next_bucket_is_gathered_while_the_current_one_is_sent():

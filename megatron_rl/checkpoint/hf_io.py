@@ -314,9 +314,12 @@ class ShardedSafetensorsWriter:
     renames when everything, including config and tokenizer, is in place).
     """
 
-    def __init__(self, folder: Path, max_shard_bytes: int = 2 << 30):
+    def __init__(self, folder: Path, max_shard_bytes: int = 2 << 30, prefix: str | None = None):
+        """`prefix`: one of several writers into the same folder: its files are named
+        `<prefix>model-….safetensors` and no index is written (a loader reads every file)."""
         self.folder = folder
         self.max = max_shard_bytes
+        self.prefix = prefix
         self._buffer: dict[str, torch.Tensor] = {}
         self._bytes = 0
         self._shards: list[tuple[str, list[str]]] = []
@@ -333,7 +336,7 @@ class ShardedSafetensorsWriter:
     def _flush(self) -> None:
         from safetensors.torch import save_file
 
-        name = f"part-{len(self._shards):05d}.safetensors"
+        name = f"{self.prefix or ''}part-{len(self._shards):05d}.safetensors"
         save_file(self._buffer, str(self.folder / name), metadata={"format": "pt"})
         self._shards.append((name, list(self._buffer)))
         self._buffer, self._bytes = {}, 0
@@ -345,10 +348,12 @@ class ShardedSafetensorsWriter:
         weight_map, files = {}, []
         for i, (tmp_name, names) in enumerate(self._shards):
             final = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            if self.prefix is not None:
+                final = f"{self.prefix}{final}"
             os.replace(self.folder / tmp_name, self.folder / final)
             files.append(final)
             weight_map.update(dict.fromkeys(names, final))
-        if n > 1:
+        if n > 1 and self.prefix is None:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
             (self.folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
         return files

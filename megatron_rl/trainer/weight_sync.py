@@ -3,16 +3,23 @@
 Gather. Every trainer rank walks the weight map's units in the same order, one layer at a time.
 For each layer it fills a flat buffer with only the chunks it owns as *main replica* (megatron's
 own sharding metadata says which layer, expert and TP slice each local parameter is) and the
-buffers are summed onto rank 0: one collective per layer, correct for any TP/PP/EP/DP layout.
-Rank 0 converts the layer to HF names with the same `WeightMap` the converters use.
+buffers are summed onto the layer's sender: one collective per layer, correct for any
+TP/PP/EP/DP layout. The sender is the lowest rank holding a piece of the layer, so each pipeline
+stage sends its own layers (its first rank); a layer that one rank holds whole (pipeline
+parallelism alone) is not reduced at all. The sender converts the layer to HF names with the same
+`WeightMap` the converters use.
 
-Transfer. Rank 0 streams the HF tensors, in buckets, to every engine, over one of:
+Transfer. Each sender streams its HF tensors, in buckets, to every engine, over one of:
   tensor       `/update_weights_from_tensor` (the colocated path: a shared-memory segment for
                an engine on this machine, as SGLang passes CUDA IPC handles; values otherwise)
   distributed  a broadcast group between rank 0 and the engines (`/init_weights_update_group`
                + `/update_weights_from_distributed`; gloo on CPU, NCCL on GPU)
   disk         safetensors shards in a folder + `/update_weights_from_disk`
 Every update carries a `weight_version`; engines stamp it on each token they generate after it.
+With several senders rank 0 opens the update (the shared-memory pause), all senders write, and
+after a barrier rank 0 alone moves the version (or loads the folder): no engine reports the new
+version while a stage's layers are still old. `distributed` sends everything from rank 0 (its
+broadcast group has one source).
 On these three the next bucket is gathered and converted in a worker thread while the current
 one is sent (`_Ahead`).
 """
@@ -46,7 +53,7 @@ VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 @dataclass
 class SyncStats:
-    """Where a sync's time went (rank 0's view)."""
+    """Where a sync's time went (one sender's view; rank 0's is the one reported)."""
 
     gather_s: float = 0.0     # filling layer buffers + the cross-rank reduction
     convert_s: float = 0.0    # Megatron → HF layout and dtype
@@ -100,6 +107,7 @@ class WeightGatherer:
             groups.setdefault(("layer", entry.layer_type == "mtp", index[0]) if index
                               else entry.keys, []).append((entry, index))
         self.layout = [self._group_layout(g) for g in groups.values()]
+        self.senders, self.sole = self._senders()
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if torch.cuda.is_available() else torch.device("cpu"))
         # the parameters' own dtype: summing one owner's value with zeros is exact in any
@@ -113,7 +121,8 @@ class WeightGatherer:
         views of the live parameters (an offload keeps their storages, so they stay valid)."""
         from megatron.core.dist_checkpointing.mapping import is_main_replica
 
-        self.whole: list | None = None  # per layer: its units' live views (see hf_tensors)
+        # per layer: its units' live views (see hf_tensors), by `one_sender`
+        self.whole: dict[bool, list] = {}
         self.local: dict[tuple[str, tuple[int, ...]], list[tuple[torch.Tensor, tuple, tuple]]] = {}
         for module in self.modules:
             for sh in _sharded_tensors(module):
@@ -126,6 +135,26 @@ class WeightGatherer:
                 key = self.wmap.checkpoint_keys(entry, index)[position]
                 self.local.setdefault((key, index), []).append(
                     (sh.data, tuple(sh.global_offset[stack:]), tuple(sh.local_shape)))
+
+    def _senders(self) -> tuple[list[int], list[bool]]:
+        """Per layer: the lowest rank holding a piece of it, and whether it is the only one
+        (then nothing is reduced). Every rank learns every rank's holdings once."""
+        mine = [g for g, (slots, _) in enumerate(self.layout)
+                if any((key, index) in self.local for _, index, parts in slots
+                       for key, _, _ in parts)]
+        held = [mine]
+        if self.world > 1:
+            held = [None] * self.world
+            dist.all_gather_object(held, mine, group=self.group)
+        owners: list[list[int]] = [[] for _ in self.layout]
+        for rank, groups in enumerate(held):
+            for g in groups:
+                owners[g].append(rank)
+        return ([o[0] if o else 0 for o in owners], [len(o) == 1 for o in owners])
+
+    def sends(self, one_sender: bool = False) -> bool:
+        """Whether this rank yields tensors from `hf_tensors`."""
+        return self.rank == 0 if one_sender else self.rank in self.senders
 
     def _group_layout(self, group: list[tuple[Entry, tuple[int, ...]]]) -> tuple[list, int]:
         """Where each tensor of one layer sits in its flat gather buffer (fixed per model, so
@@ -163,22 +192,32 @@ class WeightGatherer:
         return units
 
     @torch.no_grad()
-    def hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every rank must exhaust this iterator (it runs one reduction per layer); only rank 0
-        yields (HF name, full tensor) pairs. On one rank the tensors can be views of the live
-        parameters (nothing is copied before the consumer's own copy): copy what you keep."""
+    def hf_tensors(self, dtype: torch.dtype | None = None, one_sender: bool = False
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank must exhaust this iterator (it runs the reductions); each layer's sender
+        yields its (HF name, full tensor) pairs (`one_sender`: rank 0 yields them all). A
+        layer its sender holds whole comes as views of the live parameters (nothing is copied
+        before the consumer's own copy): copy what you keep."""
         self.stats = SyncStats()
+        senders = [0] * len(self.layout) if one_sender else self.senders
+        sole = ([self.world == 1] * len(self.layout) if one_sender else self.sole)
         # an offloaded actor's parameters are read from their host copies, which move; live
         # ones keep their storages (an optimizer step writes them in place), so the views
         # found once serve every later sync
         live = all(self.resolve(data) is data for chunks in self.local.values()
                    for data, _, _ in chunks)
-        plan = self.whole if live else None
+        plan = self.whole.get(one_sender) if live else None
         if plan is None:
-            plan = [self._whole_units(slots) if self.world == 1 else None
-                    for slots, _ in self.layout]
-            self.whole = plan if live else None
-        for (slots, total), units in zip(self.layout, plan, strict=True):
+            plan = [self._whole_units(slots) if alone and sender == self.rank else None
+                    for (slots, _), sender, alone in zip(self.layout, senders, sole,
+                                                         strict=True)]
+            if live:
+                self.whole[one_sender] = plan
+        reduced = self.stats.extra["reduced_layers"] = 0
+        for (slots, total), units, sender, alone in zip(self.layout, plan, senders, sole,
+                                                        strict=True):
+            if alone and sender != self.rank:  # another rank's layer, nothing to reduce
+                continue
             if units is not None:  # nothing to gather
                 t1 = time.perf_counter()
                 for (entry, index, parts), unit in zip(slots, units, strict=True):
@@ -198,11 +237,13 @@ class WeightGatherer:
                                                                       strict=True))
                         # an offloaded actor's parameter: the same view of its host copy
                         full[region].copy_(self.resolve(data))
-            if self.world > 1:
-                dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM, group=self.group)
+            if not alone:
+                dist.reduce(flat, group_dst=sender, op=dist.ReduceOp.SUM, group=self.group)
+                reduced += 1
             t1 = time.perf_counter()
             self.stats.gather_s += t1 - t0
-            if self.rank != 0:
+            self.stats.extra["reduced_layers"] = reduced
+            if self.rank != sender:
                 continue
             for entry, index, parts in slots:
                 tensors = [flat[offset:offset + torch.Size(shape).numel()].view(shape)
@@ -294,13 +335,15 @@ class WeightSyncer:
                  transport: str = "tensor", bucket_bytes: int = 512 << 20,
                  dtype: torch.dtype | None = None, disk_dir: str | None = None,
                  master_address: str = "127.0.0.1", timeout_s: float = 600.0,
-                 fp8: bool = False, one_copy: bool = True, overlap: bool = True):
+                 fp8: bool = False, one_copy: bool = True, overlap: bool = True,
+                 by_stage: bool = True):
         """`fp8`: send the projections as blockwise FP8 + `weight_scale_inv` (an engine that
         serves an FP8 checkpoint, docs/fp8.md); each weight and its scale share a bucket.
         `one_copy`: with the tensor transport, write straight into the parameters of engines
         that share them on this machine (engines/shared_weights.py). `overlap=False`: gather
         each bucket only after the previous one was sent (benchmarks/weight_sync.py's
-        reference for the look-ahead)."""
+        reference for the look-ahead). `by_stage=False`: every layer is reduced onto rank 0,
+        which sends them all (the benchmark's reference for a sender per stage)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
         if not urls:
@@ -312,26 +355,33 @@ class WeightSyncer:
         self._writers: list[SharedWeightWriter] | None = None
         self.engines: list[HttpEngine] = []
         self.loop: asyncio.AbstractEventLoop | None = None
-        if gatherer.rank == 0:
+        # the distributed transport's broadcast group has one source
+        self.one_sender = transport == "distributed" or not by_stage
+        self.several = not self.one_sender and len(set(gatherer.senders)) > 1
+        if self.several and transport == "disk" and disk_dir is None:
+            self.disk_dir = _from_rank0(gatherer, tempfile.mkdtemp(prefix="weights-")
+                                        if gatherer.rank == 0 else None)
+        if gatherer.sends(self.one_sender) or (self.several and gatherer.rank == 0):
             self.loop = asyncio.new_event_loop()
             self.engines = [HttpEngine(u, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
                                        tensor_transport="shm" if _same_machine(u)
                                        else "safetensors") for u in urls]
 
     def sync(self, weight_version: int) -> SyncStats:
-        """Collective: push the current weights with `weight_version`. Returns rank 0's time
-        split (other ranks: their gather time)."""
+        """Collective: push the current weights with `weight_version`. Returns this rank's
+        time split (rank 0's is the one reported; a rank that sends nothing: its gather)."""
         t_start = time.perf_counter()
-        tensors = self.gatherer.hf_tensors(self.dtype)
-        if self.gatherer.rank != 0:
+        tensors = self.gatherer.hf_tensors(self.dtype, self.one_sender)
+        if self.several:
+            return self._sync_by_stage(tensors, weight_version, t_start)
+        if not self.gatherer.sends(self.one_sender):
             for _ in tensors:  # take part in the reductions
                 pass
             return self.gatherer.stats
         sent = [0]
         quantize = _counted(sent, self.fp8)
         writers = self._shared_writers() if self.transport == "tensor" else None
-        # where the gather's collectives run (a gatherer without one: the host)
-        ahead = _Ahead(getattr(self.gatherer, "device", torch.device("cpu")), self.overlap)
+        ahead = self._ahead()
         if writers:
             self.loop.run_until_complete(self._write_shared(writers, tensors, weight_version))
         elif self.transport == "tensor":
@@ -347,14 +397,63 @@ class WeightSyncer:
             self.loop.run_until_complete(_push_distributed(
                 self.engines, ahead(buckets_with_last(tensors, self.bucket_bytes)),
                 weight_version, self.master_address, self.timeout_s, quantize))
+        return self._timed(t_start, sent[0], ahead if not writers else None)
+
+    def _ahead(self) -> _Ahead:
+        # where the gather's collectives run (a gatherer without one: the host)
+        return _Ahead(getattr(self.gatherer, "device", torch.device("cpu")), self.overlap)
+
+    def _timed(self, t_start: float, sent: int, ahead: _Ahead | None) -> SyncStats:
         stats = self.gatherer.stats
-        stats.extra["sent_bytes"] = sent[0]
+        stats.extra["sent_bytes"] = sent
         wall = time.perf_counter() - t_start
-        if writers:
+        if ahead is None:
             stats.transfer_s = wall - stats.gather_s - stats.convert_s
         else:  # gather and convert ran beside the sends: the phases add up to more than wall
             stats.transfer_s, stats.wall_s = ahead.caller_s, wall
         return stats
+
+    def _sync_by_stage(self, tensors: Iterator, version: int, t_start: float) -> SyncStats:
+        """Several senders (one per pipeline stage): rank 0 opens the update, every sender
+        writes its own layers, and after a barrier rank 0 alone moves the version."""
+        g, loop = self.gatherer, self.loop
+        sender = g.sends()
+        writers = self._shared_writers() if sender and self.transport == "tensor" else None
+        shared = self.transport == "tensor" and _all_ranks(g, not sender or bool(writers))
+        segments = None
+        if shared and g.rank == 0:
+            segments = loop.run_until_complete(
+                _on_all(self.engines, lambda e: e.begin_shared_write()))
+        if shared:
+            segments = _from_rank0(g, segments)
+        dist.barrier(group=g.group)  # the engines are paused before anyone writes
+        sent, ahead = [0], None
+        if not sender:
+            for _ in tensors:  # take part in the reductions
+                pass
+        elif shared:
+            loop.run_until_complete(self._write_shared(writers, tensors, None, segments))
+        elif self.transport == "tensor":
+            ahead = self._ahead()
+            loop.run_until_complete(_push_tensors(
+                self.engines, ahead(buckets_with_last(tensors, self.bucket_bytes)), None,
+                _counted(sent, self.fp8)))
+        else:
+            ahead = self._ahead()
+            loop.run_until_complete(_push_disk(
+                self.engines, ahead(split_buckets(tensors, self.bucket_bytes)), version,
+                self.disk_dir, _counted(sent, self.fp8), part=f"rank{g.rank:05d}-"))
+        dist.barrier(group=g.group)  # every stage's layers are in
+        if g.rank == 0:
+            if shared:
+                loop.run_until_complete(
+                    _on_all(self.engines, lambda e: e.commit_shared_write(version)))
+            elif self.transport == "tensor":  # no tensors: the version alone moves
+                loop.run_until_complete(_on_all(
+                    self.engines, lambda e: e.update_weights_from_tensors([], version)))
+            else:
+                loop.run_until_complete(_load_disk(self.engines, self.disk_dir, version))
+        return self._timed(t_start, sent[0], ahead)
 
     def _shared_writers(self) -> list[SharedWeightWriter] | None:
         """One writer per engine when every engine shares its parameters with this machine
@@ -382,11 +481,13 @@ class WeightSyncer:
         self._writers = []
 
     async def _write_shared(self, writers: list[SharedWeightWriter], tensors: Iterator,
-                            version: int) -> None:
+                            version: int | None, segments: list[str] | None = None) -> None:
         """Pause → write every tensor into each engine's own parameters → commit the
         version. Names an engine does not share (scattered elements) go by its tensor route
-        inside the same window."""
-        segments = await asyncio.gather(*(e.begin_shared_write() for e in self.engines))
+        inside the same window. `segments`: the window is already open (rank 0 opened it);
+        `version` None: another rank commits it."""
+        if segments is None:
+            segments = await asyncio.gather(*(e.begin_shared_write() for e in self.engines))
         if any(s != w.name for s, w in zip(segments, writers, strict=True)):
             writers = self._writers = await self._map_segments()  # an engine restarted
             if not writers:
@@ -406,7 +507,8 @@ class WeightSyncer:
         await asyncio.gather(*(e.update_weights_from_tensors(left, None)
                                for e, left in zip(self.engines, rest, strict=True) if left))
         t2 = time.perf_counter()
-        await asyncio.gather(*(e.commit_shared_write(version) for e in self.engines))
+        if version is not None:
+            await asyncio.gather(*(e.commit_shared_write(version) for e in self.engines))
         self.gatherer.stats.extra.update(
             write_s=write_s, flip_s=time.perf_counter() - t2,
             unshared=sum(len(left) for left in rest))
@@ -423,6 +525,10 @@ class WeightSyncer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _on_all(engines: list[HttpEngine], call: Callable[[HttpEngine], Any]) -> list:
+    return list(await asyncio.gather(*(call(e) for e in engines)))
 
 
 async def _close_all(engines: list[HttpEngine]) -> None:
@@ -506,19 +612,42 @@ async def _push_tensors(engines: list[HttpEngine], buckets: AsyncIterator, versi
 
 
 async def _push_disk(engines: list[HttpEngine], buckets: AsyncIterator, version: int,
-                     disk_dir: str | None, transform: Callable[[Bucket], Bucket]) -> None:
+                     disk_dir: str | None, transform: Callable[[Bucket], Bucket],
+                     part: str | None = None) -> None:
+    """Safetensors shards into `<disk_dir>/v<version>`, then the engines load the folder.
+    `part`: one of several senders' file-name prefix; no index, and the load is left to rank
+    0 (`_load_disk`) once every part is written."""
     from megatron_rl.checkpoint.hf_io import ShardedSafetensorsWriter
 
     root = Path(disk_dir or tempfile.mkdtemp(prefix="weights-"))
     folder = root / f"v{version}"
     folder.mkdir(parents=True, exist_ok=True)
-    writer = ShardedSafetensorsWriter(folder)
+    writer = ShardedSafetensorsWriter(folder, prefix=part)
     async with contextlib.aclosing(buckets):
         async for bucket in buckets:
             for name, t in transform(bucket):
                 writer.add(name, t)
     writer.close()
-    await asyncio.gather(*(e.update_weights_from_disk(str(folder), version) for e in engines))
+    if part is None:
+        await _load_disk(engines, str(root), version)
+
+
+async def _load_disk(engines: list[HttpEngine], root: str, version: int) -> None:
+    folder = str(Path(root) / f"v{version}")
+    await asyncio.gather(*(e.update_weights_from_disk(folder, version) for e in engines))
+
+
+def _from_rank0(gatherer: WeightGatherer, obj: Any) -> Any:
+    """Rank 0's `obj` on every rank of the gatherer's group."""
+    box = [obj]
+    dist.broadcast_object_list(box, group_src=0, group=gatherer.group)
+    return box[0]
+
+
+def _all_ranks(gatherer: WeightGatherer, ok: bool) -> bool:
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=gatherer.group)
+    return bool(flag.item())
 
 
 async def _push_distributed(engines: list[HttpEngine], buckets: AsyncIterator, version: int,
