@@ -358,40 +358,6 @@ def _probe_rope() -> bool:
     return "torch.cos(freqs)" in inspect.getsource(rope_utils._apply_rotary_pos_emb_bshd)
 
 
-# -- unpermute: MoE unpermute adds the expert outputs back with `scatter_add_` over an index
-# expanded to [tokens, hidden] (index_add_ only under deterministic algorithms); on a CPU that
-# is ~8x slower than `index_add_` of whole rows. Both add each row's contributions in index
-# order, so the sums are bitwise the same; so are their backwards (gather / index_select).
-def _apply_unpermute() -> None:
-    import megatron.core.transformer.moe.moe_utils as mu
-    import megatron.core.transformer.moe.token_dispatcher as td
-
-    orig = mu.unpermute
-
-    def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None,
-                  fused=False, drop_and_pad=False, pad_offsets=None):
-        if fused or drop_and_pad:
-            return orig(permuted_tokens, sorted_indices, restore_shape, probs, routing_map,
-                        fused, drop_and_pad, pad_offsets)
-        dtype = permuted_tokens.dtype
-        if probs is not None:  # as upstream: the probs in routing-map order, then weighted
-            weights = probs.T.contiguous().masked_select(routing_map.T.contiguous())
-            permuted_tokens = permuted_tokens * weights.unsqueeze(-1)
-        out = torch.zeros(restore_shape, dtype=permuted_tokens.dtype,
-                          device=permuted_tokens.device)
-        return out.index_add_(0, sorted_indices, permuted_tokens).to(dtype)
-
-    mu.unpermute = td.unpermute = unpermute
-
-
-def _probe_unpermute() -> bool:
-    import inspect
-
-    import megatron.core.transformer.moe.moe_utils as mu
-
-    return "scatter_add_" in inspect.getsource(mu.unpermute)
-
-
 def _probe_gdn() -> bool:
     import importlib
 
@@ -423,8 +389,6 @@ SHIMS: tuple[Shim, ...] = (
          _apply_identitysort, _probe_identitysort),
     Shim("rope", "unfused RoPE takes cos/sin per layer and copies its output once more",
          _apply_rope, _probe_rope),
-    Shim("unpermute", "MoE unpermute scatter-adds over an index expanded to the hidden size",
-         _apply_unpermute, _probe_unpermute),
 )
 
 
