@@ -46,11 +46,12 @@ class _LinearLogprobs(torch.autograd.Function):
         wv = w[:valid]
         z = _logits(h, wv, temperature)                       # [n, valid]
         n = h.shape[0]
-        # small logits stay for backward (what recomputing them saves is not worth a matmul)
-        kept = z.clone() if z.numel() * z.element_size() <= KEEP_LOGITS_BYTES else None
+        # small logits stay for backward (what recomputing them saves is not worth a matmul);
+        # kept ones are never changed in place: the shifted copy is a new tensor
+        kept = z if z.numel() * z.element_size() <= KEEP_LOGITS_BYTES else None
         shift = z.amax(-1) if valid else z.new_full((n,), float("-inf"))
         _all_reduce(shift, MAX, group, tp)
-        z.sub_(shift[:, None])
+        z = z - shift[:, None] if kept is not None else z.sub_(shift[:, None])
         local = labels - vocab_start
         owned = (local >= 0) & (local < valid)
         picked = z.gather(-1, local.clamp(0, max(valid - 1, 0))[:, None])[:, 0] if valid \
@@ -76,14 +77,15 @@ class _LinearLogprobs(torch.autograd.Function):
         n = h.shape[0]
         g_logp = g_logp if g_logp is not None else h.new_zeros(n, dtype=torch.float32)
         wv = w[:valid]
-        # the same values either way; a kept tensor is copied, never changed in place
-        z = _logits(h, wv, temperature) if kept is None else kept.clone()
+        # the same values either way; a kept tensor is read, never changed in place
+        z = _logits(h, wv, temperature) if kept is None else kept
         # d logp / dz = onehot - p;  d entropy / dz = -p (z - E_p[z])
         if g_ent is not None and bool(g_ent.any()):
             coef = (z - mean_z[:, None]).mul_(g_ent[:, None]).add_(g_logp[:, None])
         else:
             coef = g_logp[:, None]
-        grad = z.sub_(lse[:, None]).exp_().mul_(coef).neg_()
+        z = z - lse[:, None] if kept is not None else z.sub_(lse[:, None])
+        grad = z.exp_().mul_(coef).neg_()
         local = labels - vocab_start
         rows = ((local >= 0) & (local < valid)).nonzero()[:, 0]
         grad.index_put_((rows, local[rows]), g_logp[rows], accumulate=True)
