@@ -26,7 +26,8 @@ from results import parse
 HERE = Path(__file__).resolve().parent
 # name → quick arguments (each runs in a minute or two on 2 cores)
 BENCHMARKS: dict[str, list[str]] = {
-    "weight_sync": ["--transports", "one-copy,tensor,tensor-serial", "--bucket-mb", "64"],
+    "weight_sync": ["--transports", "one-copy,tensor,tensor-serial", "--bucket-mb", "64",
+                    "--two-ranks", "ep2,pp2"],
     "megatron_cpu_step": [],
     "engine_vs_generate": ["--models", "tiny-moe,tiny-qwen3.5"],
     "partial_rollout": [],
@@ -34,6 +35,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "conversion": [],
     "search_latency": ["--sizes", "10000,100000,1000000", "--queries", "1000"],
     "degeneracy": [],
+    "host_allocator": [],
 }
 
 

@@ -702,6 +702,9 @@ def _user_errors(func: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from megatron_rl.utils.host_memory import reuse_freed_memory
+
+    reuse_freed_memory()
     try:
         return args.func(args)
     except ConfigError as e:
