@@ -54,7 +54,7 @@ class Budget:
     # decodes"
     sft_steps: int = 550
     sft_decay_steps: int = 650
-    # ~27 s each with refills (settled questions skipped: 37 s without); seed 0's held-out
+    # ~22 s each with refills (settled questions skipped: 37 s without); seed 0's held-out
     # pass@1 at steps 8/16/24: 0.26/0.25/0.29
     rl_steps: int = 24
     eval_questions: int = 0        # 0: the whole held-out split
