@@ -55,8 +55,10 @@ def peak_step_memory(overrides: list[str], rows: int, seq: int) -> dict[str, int
     from megatron_rl.trainer.losses import lm_loss
 
     # large allocations straight from mmap, so a freed tensor leaves the RSS and the peak RSS
-    # follows the live tensors (glibc's default threshold grows and keeps freed blocks)
+    # follows the live tensors (glibc's default threshold grows and keeps freed blocks; the
+    # pool's ranks keep them on purpose, utils/host_memory.py)
     libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-4, 65536)  # M_MMAP_MAX: glibc's default, mmap on again
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
     cfg = load_config(None, list(overrides))

@@ -41,12 +41,15 @@ from tests.test_engine_embedded import (
 class HFGatherer:
     """What the trainer's gatherer yields: (HF name, tensor) pairs; swap `named` to move."""
 
-    rank = 0
+    rank, senders = 0, [0]  # one rank sends every layer
 
     def __init__(self, named: list[tuple[str, torch.Tensor]]):
         self.named, self.stats = named, SyncStats()
 
-    def hf_tensors(self, dtype=None):
+    def sends(self, one_sender: bool = False) -> bool:
+        return True
+
+    def hf_tensors(self, dtype=None, one_sender: bool = False):
         self.stats = SyncStats()
         for name, t in self.named:
             self.stats.tensors += 1
