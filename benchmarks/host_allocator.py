@@ -3,8 +3,10 @@
 
 The workload is the chunked log-prob pass (forward and backward) at the quickstart's
 pre-training shape: each rank's 1,536 tokens over a 34,048-token vocabulary, hidden 128, whose
-[tokens, vocab] temporaries are ~200 MB each. The two settings alternate per repeat (mallopt
-is switched back and forth), median of `--repeats` each.
+[tokens, vocab] temporaries are ~200 MB each. Each setting runs in fresh processes (a
+process's heap remembers what it was given, so switching mallopt back and forth in one process
+measures neither), the two alternating for `--rounds`; each process reports its median pass
+after a warm-up one, and the medians of those are compared.
 
     python benchmarks/host_allocator.py [--tokens 1536 --vocab 34048 --hidden 128]
 """
@@ -12,8 +14,10 @@ is switched back and forth), median of `--repeats` each.
 from __future__ import annotations
 
 import argparse
-import ctypes
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -22,13 +26,26 @@ from results import emit
 from megatron_rl.models.logprobs import _LinearLogprobs
 from megatron_rl.utils import host_memory
 
-GLIBC_DEFAULT_MMAP_MAX, GLIBC_DEFAULT_TRIM = 65536, 128 * 1024
+SETTINGS = ("glibc default", "freed memory reused")
 
 
-def _mallopt(mmap_max: int, trim: int) -> None:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(host_memory.M_MMAP_MAX, mmap_max)
-    libc.mallopt(host_memory.M_TRIM_THRESHOLD, ctypes.c_int(trim))
+def child(a: argparse.Namespace) -> None:
+    """One process, one setting: its median log-prob pass, printed as the last line."""
+    if a.child == SETTINGS[1]:
+        assert host_memory.reuse_freed_memory()
+    torch.set_num_threads(a.threads)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(a.tokens, a.hidden, generator=g).requires_grad_()
+    w = (torch.randn(a.vocab, a.hidden, generator=g) * 0.05).requires_grad_()
+    y = torch.randint(0, a.vocab, (a.tokens,), generator=g)
+    times = []
+    for _ in range(1 + a.repeats):  # the first fills the heap
+        t0 = time.perf_counter()
+        logp, ent = _LinearLogprobs.apply(h, w, y, 0, a.vocab, 1.0, None, 1)
+        (logp.sum() + 0.01 * ent.sum()).backward()
+        h.grad = w.grad = None
+        times.append(time.perf_counter() - t0)
+    print(statistics.median(times[1:]))
 
 
 def main() -> None:
@@ -36,38 +53,27 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1536)
     p.add_argument("--vocab", type=int, default=34048)
     p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5, help="passes per process after warm-up")
+    p.add_argument("--rounds", type=int, default=3, help="processes per setting, alternating")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--child", choices=SETTINGS, help=argparse.SUPPRESS)
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(a.tokens, a.hidden, generator=g).requires_grad_()
-    w = (torch.randn(a.vocab, a.hidden, generator=g) * 0.05).requires_grad_()
-    y = torch.randint(0, a.vocab, (a.tokens,), generator=g)
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        logp, ent = _LinearLogprobs.apply(h, w, y, 0, a.vocab, 1.0, None, 1)
-        (logp.sum() + 0.01 * ent.sum()).backward()
-        h.grad = w.grad = None
-        return time.perf_counter() - t0
-
-    settings = {"glibc default": (GLIBC_DEFAULT_MMAP_MAX, GLIBC_DEFAULT_TRIM),
-                "freed memory reused": (0, host_memory.KEEP_FREED_BYTES)}
-    times: dict[str, list[float]] = {name: [] for name in settings}
-    for opts in settings.values():  # warm-up
-        _mallopt(*opts)
-        step()
-    for _ in range(a.repeats):
-        for name, opts in settings.items():
-            _mallopt(*opts)
-            times[name].append(step())
-    med = {name: statistics.median(t) for name, t in times.items()}
+    if a.child:
+        return child(a)
+    env = {k: v for k, v in os.environ.items() if k not in host_memory.GLIBC_VARIABLES}
+    med: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    for _ in range(a.rounds):
+        for name in SETTINGS:
+            out = subprocess.run([sys.executable, __file__, "--child", name,
+                                  *(f"--{k}={getattr(a, k)}" for k in
+                                    ("tokens", "vocab", "hidden", "repeats", "threads"))],
+                                 capture_output=True, text=True, check=True, env=env)
+            med[name].append(float(out.stdout.strip().splitlines()[-1]))
     print(f"log-prob pass, {a.tokens} tokens x {a.vocab} vocab, hidden {a.hidden}, "
-          f"{a.threads} thread(s), median of {a.repeats}")
-    for name, t in med.items():
-        print(f"{name:22s} {t * 1e3:8.0f} ms")
-    ratio = med["freed memory reused"] / med["glibc default"]
+          f"{a.threads} thread(s); per setting {a.rounds} processes x {a.repeats} passes")
+    for name, ts in med.items():
+        print(f"{name:22s} " + " ".join(f"{t * 1e3:6.0f}" for t in ts) + " ms")
+    ratio = statistics.median(med[SETTINGS[1]]) / statistics.median(med[SETTINGS[0]])
     print(f"ratio reused / default = {ratio:.2f}")
     emit("log-prob pass time, freed memory reused / glibc default (34k vocab)", ratio, 0.9,
          better="lower")
