@@ -21,7 +21,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_rl.agents.base import AgentConfig, BaseAgent, Commit, Messages, Resume
+from megatron_rl.agents.base import AgentConfig, BaseAgent, Commit, Message, Messages, Resume
 from megatron_rl.engines.base import RolloutEngine
 from megatron_rl.env.base import Tool
 from megatron_rl.records.trajectory import ToolCall, Trajectory
@@ -78,7 +78,7 @@ class IterSynthAgent(BaseAgent):
                 f"\n\n{QUESTION_LAST}{safe(question)}")
         return self.chat.prompt_ids(self.synthesizer_prompt, user)
 
-    def stuck(self, synth: Any, summary: str) -> bool:
+    def stuck(self, synth: Message, summary: str) -> bool:
         """Greedy notes that did not change: the next step would repeat this one."""
         cfg = self.config
         return (cfg.unstick_temperature > 0 and cfg.sampling.temperature == 0

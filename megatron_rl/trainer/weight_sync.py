@@ -213,7 +213,7 @@ class WeightGatherer:
                                                          strict=True)]
             if live:
                 self.whole[one_sender] = plan
-        reduced = self.stats.extra["reduced_layers"] = 0
+        self.stats.extra["reduced_layers"] = 0
         for (slots, total), units, sender, alone in zip(self.layout, plan, senders, sole,
                                                         strict=True):
             if alone and sender != self.rank:  # another rank's layer, nothing to reduce
@@ -239,10 +239,9 @@ class WeightGatherer:
                         full[region].copy_(self.resolve(data))
             if not alone:
                 dist.reduce(flat, group_dst=sender, op=dist.ReduceOp.SUM, group=self.group)
-                reduced += 1
+                self.stats.extra["reduced_layers"] += 1
             t1 = time.perf_counter()
             self.stats.gather_s += t1 - t0
-            self.stats.extra["reduced_layers"] = reduced
             if self.rank != sender:
                 continue
             for entry, index, parts in slots:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -20,16 +21,13 @@ KEEP_FREED_BYTES = 2**31 - 1            # the heap's free top is given back past
 # a user's own glibc tuning wins
 GLIBC_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                    "MALLOC_TOP_PAD_")
-APPLIED: list[bool] = []
 
 
+@functools.cache
 def reuse_freed_memory(*, only_without_cuda: bool = True) -> bool:
     """Keep large freed blocks for reuse instead of unmapping them (glibc on Linux; once per
     process). Off where CUDA is present (`only_without_cuda`): GPU hosts stage far larger
     buffers (offloaded weights), whose memory should go back to the system. True if applied."""
-    if APPLIED:
-        return APPLIED[0]
-    APPLIED.append(False)
     if not sys.platform.startswith("linux") or any(v in os.environ for v in GLIBC_VARIABLES):
         return False
     if only_without_cuda:
@@ -39,9 +37,7 @@ def reuse_freed_memory(*, only_without_cuda: bool = True) -> bool:
             return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = (libc.mallopt(M_MMAP_MAX, 0) == 1
-              and libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(KEEP_FREED_BYTES)) == 1)
+        return (libc.mallopt(M_MMAP_MAX, 0) == 1
+                and libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(KEEP_FREED_BYTES)) == 1)
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
-    APPLIED[0] = ok
-    return ok
