@@ -80,7 +80,7 @@ def measure(model: str = "tiny-moe", batch: int = 16, new_tokens: int = 64, thre
     vocab = int(net.config.vocab_size)
     mixed = make_prompts(batch, min_len, max_len, vocab, seed + 1)
     cases = {f"mixed x{batch}": mixed, "batch 1": mixed[:1]}
-    core = EmbeddedCore(net, max_batch_size=max(32, batch))
+    core = EmbeddedCore(net, max_batch_size=max(32, batch), threads=threads)
     core.start()
     rows: dict[str, dict[str, Any]] = {}
     try:

@@ -310,7 +310,8 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, ModeResult]:
     model = transformers.AutoModelForCausalLM.from_config(spec.hf_config())
     # every sample of every running group at once: 2 x groups x samples rows in partial mode
     server = EmbeddedServer(model, tokenizer,
-                            max_batch_size=max(32, 2 * cfg.groups * cfg.samples)).start()
+                            max_batch_size=max(32, 2 * cfg.groups * cfg.samples),
+                            threads=cfg.threads).start()
     try:
         return asyncio.run(_run(cfg, server, EngineMeter(server.core), tokenizer))
     finally:

@@ -523,7 +523,7 @@ def test_chat_completions_serve_as_a_judge(model) -> None:
 def test_cli_serves_a_model_directory(model, tmp_path) -> None:
     model.save_pretrained(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.engines.embedded",
-                             "--model", str(tmp_path), "--port", "0"],
+                             "--model", str(tmp_path), "--port", "0", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         url = proc.stdout.readline().strip()
@@ -693,6 +693,22 @@ def test_rows_joining_and_leaving_a_running_batch_keep_generates_outputs(
         assert s.future.result(timeout=0)["output_ids"] == hf_greedy(model, p, n)
         assert max_diff(s.logprobs, full_logprobs(model, p, s.out)) < TOL
     assert core.max_running == 4 and core.cache is None and core.width == 0
+
+
+def test_the_engine_decodes_on_its_own_thread_count(model) -> None:
+    """`threads` applies to the generation loop only (OpenMP's count is per thread): the
+    caller's threads keep theirs."""
+    before = torch.get_num_threads()
+    core = EmbeddedCore(model, threads=1)
+    core.start()
+    try:
+        assert core.call(torch.get_num_threads).result(timeout=30) == 1
+        s = core_seq("t", PROMPTS[0], 4)
+        core.submit(s)
+        assert s.future.result(timeout=60)["output_ids"] == hf_greedy(model, PROMPTS[0], 4)
+    finally:
+        core.stop()
+    assert torch.get_num_threads() == before
 
 
 def test_a_decode_step_writes_the_kv_cache_in_place(model) -> None:

@@ -161,6 +161,12 @@ def test_the_new_fields_reach_megatron_and_sglang():
     cfg = load_config("qwen3.5-35b-a3b-h20")
     assert engine_spec(cfg.rollout).sglang == {"mem_fraction_static": 0.8, "ep_size": 4}
     assert engine_spec(cfg.rollout, gpus=4).sglang == {}  # an aux pool keeps its own
+    # an embedded engine decodes on its CPU share's threads
+    embedded = load_config(None, ["rollout.engine_cpus=2.5"]).rollout
+    spec = engine_spec(embedded, random_init="tiny-moe")
+    assert spec.threads == 2
+    cmd = spec.engine_kind().command(spec, "127.0.0.1", 1)[0]
+    assert cmd[cmd.index("--threads") + 1] == "2"
     cfg = load_config(None, ["model.recompute_activations=true",
                              "model.recompute_granularity=selective"])
     tc = transformer_config(get_model_spec("tiny-moe"), cfg.model, cfg.parallel)

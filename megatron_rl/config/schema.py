@@ -323,7 +323,8 @@ class RolloutConfig:
     trainer_ranks: int = bounded(1, ge=1, help="one bundle per trainer rank")
     trainer_cpus: float = bounded(1.0, ge=0)
     trainer_gpus: int = bounded(0, ge=0)
-    engine_cpus: float = bounded(1.0, ge=0)
+    engine_cpus: float = bounded(1.0, ge=0, help="an engine's CPU share; an embedded engine "
+                                  "decodes on that many threads (at least 1)")
     engine_gpus: int = bounded(0, ge=0, help="GPUs per engine (its TP size); 0 = CPU")
     engine_ep: int = bounded(1, ge=1, help="SGLang expert parallel inside an engine's TP "
                              "group (--ep-size); must divide engine_gpus")

@@ -386,8 +386,12 @@ class EmbeddedCore:
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, weight_version: int = 0,
                  max_batch_size: int = 32, return_original_logprob: bool = False,
                  context_length: int | None = None,
-                 prefill_call_tokens: int = PREFILL_CALL_TOKENS):
+                 prefill_call_tokens: int = PREFILL_CALL_TOKENS, threads: int | None = None):
         self.model = model.eval()
+        # intra-op threads of the engine's own thread (OpenMP's setting is per thread). A tiny
+        # model's decode step is per-op overhead: 2 threads ran batches of 8-16 rows at 0.65-0.8x
+        # the tokens/s of 1 (benchmarks/engine_vs_generate.py --threads)
+        self.threads = threads
         self.tokenizer = tokenizer
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -477,6 +481,8 @@ class EmbeddedCore:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.threads:
+            torch.set_num_threads(self.threads)
         while True:
             busy = bool(self.batch or self.pending) and not self.held
             items = [] if busy else [self.inbox.get()]

@@ -10,11 +10,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_rl.engines.http_client import HttpEngine
 from megatron_rl.engines.registry import ENGINES
 from megatron_rl.engines.sglang import ServerProcess, SGLangConfig
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import RolloutConfig
 
 # Make the server die with its parent (Linux PR_SET_PDEATHSIG), so a killed actor or driver
 # leaves no orphaned server behind; then exec the real command (the pid stays the server's).
@@ -59,7 +62,7 @@ class EmbeddedKind:
         # no secret here: the engine token reaches the server through its environment
         cmd = [sys.executable, "-m", "megatron_rl.engines.embedded", "--host", host,
                "--port", str(port), "--weight-version", str(spec.weight_version),
-               "--max-batch-size", str(spec.max_batch_size),
+               "--max-batch-size", str(spec.max_batch_size), "--threads", str(spec.threads),
                "--control-timeout-s", str(spec.control_timeout_s)]
         cmd += (["--model", str(spec.model_path)] if spec.model_path
                 else ["--random-init", str(spec.random_init), "--seed", str(spec.seed)])
@@ -92,6 +95,11 @@ class SGLangKind:
                           weight_version=spec.weight_version)
 
 
+def engine_threads(cfg: RolloutConfig) -> int:
+    """An embedded engine's generation threads: its CPU share, at least one."""
+    return max(1, int(cfg.engine_cpus))
+
+
 @dataclass
 class EngineSpec:
     """How an engine server is launched (travels to the actor, so plain data only)."""
@@ -102,6 +110,7 @@ class EngineSpec:
     seed: int = 0                           # init seed for random_init
     weight_version: int = 0                 # the version the server starts at
     max_batch_size: int = 32                # embedded
+    threads: int = 0                        # embedded: generation threads (0: torch's)
     gpus: int = 0                           # sglang: TP size
     colocated: bool = False                 # sglang: memory saver for release/resume
     sglang: dict[str, Any] = field(default_factory=dict)  # more SGLangConfig fields

@@ -77,12 +77,14 @@ def start_engines(cfg: Config, spec: Any, tokenizer: Any,
         import transformers
 
         from megatron_rl.engines.embedded import EmbeddedServer
+        from megatron_rl.engines.kinds import engine_threads
 
         if ro.engine != "embedded" or ro.num_engines != 1 or ro.aux_pools:
             raise ValueError("rollout.engine=sglang, rollout.num_engines > 1 and "
                              "rollout.aux_pools need rollout.ray=true")
         model = transformers.AutoModelForCausalLM.from_config(spec.hf_config())
-        server = EmbeddedServer(model, tokenizer, max_batch_size=ro.max_batch_size).start()
+        server = EmbeddedServer(model, tokenizer, max_batch_size=ro.max_batch_size,
+                                threads=engine_threads(ro)).start()
         return Engines(HttpEngine(server.url), [server.url], {}, None, server.core, server.stop)
     import ray
 

@@ -54,7 +54,7 @@ from megatron_rl.engines.base import (
     engine_token,
     is_loopback_host,
 )
-from megatron_rl.engines.kinds import EngineSpec
+from megatron_rl.engines.kinds import EngineSpec, engine_threads
 
 if TYPE_CHECKING:
     import torch
@@ -584,7 +584,7 @@ def engine_spec(cfg: RolloutConfig, *, model_path: str | None = None, engine: st
     path = model_path or cfg.model_path
     return EngineSpec(kind=engine or cfg.engine, model_path=path,
                       random_init=None if path else random_init,
-                      max_batch_size=cfg.max_batch_size,
+                      max_batch_size=cfg.max_batch_size, threads=engine_threads(cfg),
                       gpus=cfg.engine_gpus if gpus is None else gpus,
                       colocated=cfg.layout == "colocated" and gpus is None,
                       max_restarts=cfg.max_restarts, health_interval_s=cfg.health_interval_s,
