@@ -102,3 +102,28 @@ def test_trained_positions_only_give_the_same_logprobs_and_gradients(monkeypatch
                                sequence_parallel=False, keep=torch.zeros_like(keep))
     assert lp.shape == labels.shape and not lp.any()
     (lp.sum() + ent.sum()).backward()
+
+
+def test_bf16_matmuls_keep_fp32_tensors_and_bf16_accuracy(monkeypatch):
+    """`matmul_dtype=bf16` for an fp32 model: log-probs, entropy and both gradients stay fp32
+    and within bf16 rounding of the fp32 results (not equal to them: the matmuls did change)."""
+    from megatron.core import parallel_state as ps
+
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+    g = torch.Generator().manual_seed(0)
+    seq, batch, h, vocab = 16, 4, 32, 300
+    hidden = torch.randn(seq, batch, h, generator=g, requires_grad=True)
+    weight = (torch.randn(vocab + 4, h, generator=g) * 0.3).requires_grad_()
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    out = {}
+    for dt in (None, torch.bfloat16):
+        lp, ent = chunked_logprobs(hidden, weight, labels, vocab_size=vocab,
+                                   sequence_parallel=False, chunk_tokens=24, matmul_dtype=dt)
+        gh, gw = torch.autograd.grad(-lp.sum() - 0.1 * ent.sum(), (hidden, weight))
+        out[dt] = (lp, ent, gh, gw)
+    for want, got in zip(out[None], out[torch.bfloat16], strict=True):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        rel = ((got - want).norm() / want.norm()).item()
+        assert 1e-6 < rel < 2e-2, rel
+    assert out[torch.bfloat16][3][vocab:].abs().max() == 0  # padded ids: no gradient

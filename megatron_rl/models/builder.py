@@ -198,16 +198,20 @@ def build_gpt_model(spec: ModelSpec, model_cfg: ModelConfig, parallel: ParallelC
 
 
 def logprob_output_processor(vocab_size: int, temperature: float = 1.0,
-                             chunk_tokens: int = 4096):
-    """A GPTModel `output_processor` that returns [b, s, 2] = (log p(label), entropy)."""
+                             chunk_tokens: int = 4096, matmul_dtype: str | None = None):
+    """A GPTModel `output_processor` that returns [b, s, 2] = (log p(label), entropy);
+    `matmul_dtype` (a DTYPES key): the output layer's matmuls in it (`chunked_logprobs`)."""
     return partial(_logprob_output, vocab_size=vocab_size, temperature=temperature,
-                   chunk_tokens=chunk_tokens)
+                   chunk_tokens=chunk_tokens,
+                   matmul_dtype=DTYPES[matmul_dtype] if matmul_dtype else None)
 
 
 def _logprob_output(*, hidden_states, output_layer, output_weight, labels, vocab_size,
-                    temperature, chunk_tokens, keep=None, **_unused) -> torch.Tensor:
+                    temperature, chunk_tokens, matmul_dtype, keep=None, **_unused
+                    ) -> torch.Tensor:
     weight = output_weight if output_weight is not None else output_layer.weight
     logp, ent = chunked_logprobs(hidden_states, weight, labels, vocab_size=vocab_size,
                                  sequence_parallel=output_layer.sequence_parallel,
-                                 temperature=temperature, chunk_tokens=chunk_tokens, keep=keep)
+                                 temperature=temperature, chunk_tokens=chunk_tokens, keep=keep,
+                                 matmul_dtype=matmul_dtype)
     return torch.stack([logp, ent], dim=-1)

@@ -298,7 +298,8 @@ class MegatronActor:
 
     def _logprob_processor(self):
         return logprob_output_processor(self.spec.vocab_size, self.temperature,
-                                        self.cfg.train.logprob_chunk_tokens)
+                                        self.cfg.train.logprob_chunk_tokens,
+                                        self.cfg.train.logits_matmul_dtype)
 
     def _schedule(self, micro: list[TokenBatch], loss_func, *, forward_only: bool,
                   collect: bool, processor=None, trained_only: bool = False) -> list[Any]:
