@@ -70,27 +70,47 @@ def compare_modes(overrides: list[str], init: str, spec: dict | None = NO_AUX,
                   modes: tuple[str, ...] = tuple(MODES), model: str = "tiny-moe") -> dict:
     """Per batching mode, from the same weights: log-probs and entropy, the policy loss under
     every aggregation mode, one optimizer step (loss, grad norm) and the log-probs after it."""
+    from megatron_rl.models.layer_specs import torch_sdpa_attention
+
+    attention = torch_sdpa_attention()
+    per_sequence = attention._per_sequence
     out = {}
     for mode in modes:
-        actor = make_actor(overrides, mode, spec, model)
-        load_checkpoint(actor, init, optimizer=False, rng=False)
-        batch = rl_batch()
-        lp, ent = actor.compute_logprobs(batch)
-        evals = [actor.evaluate(batch, make_policy_loss_fn(c))["loss"] for c in AGG]
-        step = actor.train_step(batch, make_policy_loss_fn(AGG[2]))
-        lm = actor.train_step(batch, lm_loss)
-        after, _ = actor.compute_logprobs(batch)
-        micro = actor._micro_batches(batch)
-        out[mode] = {"logprobs": lp, "entropy": ent, "evals": evals, "loss": step["loss"],
-                     "grad_norm": step["grad_norm"], "num_tokens": step["num_tokens"],
-                     "lm_loss": lm["loss"], "lm_grad_norm": lm["grad_norm"], "after": after,
-                     "pack": actor.pack, "budget": actor.token_budget,
-                     "logged": sorted(microbatching._LOGGED),
-                     "micro": [tuple(mb.input_ids.shape) for mb in micro],
-                     "seqs_per_row": max((int(getattr(mb, "segments", None).max()) + 1
-                                          if getattr(mb, "segments", None) is not None else 1)
-                                         for mb in micro)}
+        calls: list[int] = []  # packed rows attended sequence by sequence, not masked
+
+        def counted(self, *args, _calls=calls):
+            _calls.append(1)
+            return per_sequence(self, *args)
+
+        attention._per_sequence = counted
+        try:
+            res = _one_mode(overrides, mode, spec, model, init)
+        finally:
+            attention._per_sequence = per_sequence
+        out[mode] = {**res, "sequence_attention_calls": len(calls)}
     return out
+
+
+def _one_mode(overrides: list[str], mode: str, spec: dict | None, model: str, init: str
+              ) -> dict:
+    actor = make_actor(overrides, mode, spec, model)
+    load_checkpoint(actor, init, optimizer=False, rng=False)
+    batch = rl_batch()
+    lp, ent = actor.compute_logprobs(batch)
+    evals = [actor.evaluate(batch, make_policy_loss_fn(c))["loss"] for c in AGG]
+    step = actor.train_step(batch, make_policy_loss_fn(AGG[2]))
+    lm = actor.train_step(batch, lm_loss)
+    after, _ = actor.compute_logprobs(batch)
+    micro = actor._micro_batches(batch)
+    return {"logprobs": lp, "entropy": ent, "evals": evals, "loss": step["loss"],
+            "grad_norm": step["grad_norm"], "num_tokens": step["num_tokens"],
+            "lm_loss": lm["loss"], "lm_grad_norm": lm["grad_norm"], "after": after,
+            "pack": actor.pack, "budget": actor.token_budget,
+            "logged": sorted(microbatching._LOGGED),
+            "micro": [tuple(mb.input_ids.shape) for mb in micro],
+            "seqs_per_row": max((int(getattr(mb, "segments", None).max()) + 1
+                                 if getattr(mb, "segments", None) is not None else 1)
+                                for mb in micro)}
 
 
 def replay_modes(overrides: list[str], init: str, modes: tuple[str, ...] = ("fixed", "packed")

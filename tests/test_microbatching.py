@@ -105,8 +105,13 @@ def test_packed_rows_restart_positions_and_pack_every_extra_alike():
     assert (mb.extras["routed_experts"][1, 5:] == -1).all()  # padding: the model routes it
     assert (mb.loss_mask[1, 5:] == 0).all() and not mb.valid[1, 5:].any()
     # block-diagonal causal: row 0's second sequence sees only itself
-    mask = mb.attention_mask()[0, 0]
+    full = mb.attention_mask()
+    mask = full[0, 0]
     assert mask[8].tolist() == [True] * 7 + [False, False, True]
+    # ... and names its sequences, for an attention that computes them one by one
+    assert full.packed_spans == [[(0, 7), (7, 10)], [(0, 5)]]
+    assert mbs.packed_spans(torch.tensor([[-1, 0, 0, 1, -1, 2], [-1] * 6])) == [
+        [(1, 3), (3, 4), (5, 6)], []]
     assert mask[3].tolist() == [False] * 4 + [True] * 6
     # the loss sees the sequences as ordinary rows: the model output unpacked onto them
     out = mb.input_ids.float().unsqueeze(-1)
@@ -177,6 +182,9 @@ def test_one_process_budget_and_packing_match_fixed_micro_batches(runs):
         assert all(r * s <= MODES_BUDGET[mode] for r, s in out[mode]["micro"])
         assert_same(out[mode], ref, mode)
     assert out["packed"]["seqs_per_row"] >= 3  # rows really hold several sequences
+    # packed rows are attended sequence by sequence, the other modes through plain SDPA
+    assert out["packed"]["sequence_attention_calls"] > 0
+    assert out["budget"]["sequence_attention_calls"] == 0
     assert len(out["packed"]["micro"]) < len(out["budget"]["micro"])
 
 
@@ -192,6 +200,7 @@ def test_two_ranks_match_one_process_fixed(layout, runs):
     for rank, result in enumerate(got):
         for mode, res in result.items():
             assert_same(res, ref, f"{layout} rank {rank} {mode}")
+        assert result["packed"]["sequence_attention_calls"] > 0
 
 
 def test_linear_attention_falls_back_to_padding(tmp_path):

@@ -79,13 +79,38 @@ def torch_sdpa_attention() -> type:
                 return super().forward(query, key, value, attention_mask, attn_mask_type,
                                        attention_bias, packed_seq_params)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-            allowed = None if attention_mask is None else ~attention_mask  # megatron: True = masked
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed, scale=self.softmax_scale,
-                is_causal=allowed is None and self.attn_mask_type == AttnMaskType.causal,
-                enable_gqa=k.shape[1] != q.shape[1])
+            spans = getattr(attention_mask, "packed_spans", None)
+            if spans is not None:
+                out = self._per_sequence(q, k, v, spans)
+            else:
+                allowed = None if attention_mask is None else ~attention_mask  # True = masked
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=allowed, scale=self.softmax_scale,
+                    is_causal=allowed is None and self.attn_mask_type == AttnMaskType.causal,
+                    enable_gqa=k.shape[1] != q.shape[1])
             return out.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0],
                                                    self.hidden_size_per_partition)
+
+        def _per_sequence(self, q, k, v, spans: list[list[tuple[int, int]]]):
+            """Causal attention within each packed sequence alone: what the block-diagonal
+            mask computes, without the row-wide scores (a row of n sequences costs ~1/n).
+            Padding columns get zeros."""
+            gqa = k.shape[1] != q.shape[1]
+            rows = []
+            for b, row in enumerate(spans):
+                parts, end = [], 0
+                for start, stop in row:
+                    if start > end:
+                        parts.append(v.new_zeros(1, q.shape[1], start - end, v.shape[3]))
+                    parts.append(torch.nn.functional.scaled_dot_product_attention(
+                        q[b:b + 1, :, start:stop], k[b:b + 1, :, start:stop],
+                        v[b:b + 1, :, start:stop], scale=self.softmax_scale, is_causal=True,
+                        enable_gqa=gqa))
+                    end = stop
+                if end < q.shape[2]:
+                    parts.append(v.new_zeros(1, q.shape[1], q.shape[2] - end, v.shape[3]))
+                rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+            return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     return TorchSDPAttention
 

@@ -83,12 +83,17 @@ class MicroBatch(TokenBatch):
         return self.segments is not None
 
     def attention_mask(self) -> torch.Tensor:
-        """[B, 1, S, S] bool, True = masked: causal and within one sequence of the row."""
+        """[B, 1, S, S] bool, True = masked: causal and within one sequence of the row. It
+        carries its rows' sequences as `packed_spans` (per row, (start, end) columns), so an
+        attention that knows them (`layer_specs.torch_sdpa_attention`) attends within each
+        sequence alone instead of over the whole row behind the mask."""
         seg = self.segments
         s = seg.shape[1]
         causal = torch.ones(s, s, dtype=torch.bool, device=seg.device).triu(1)
         other = seg[:, None, :, None] != seg[:, None, None, :]
-        return other | causal
+        mask = other | causal
+        mask.packed_spans = packed_spans(seg)
+        return mask
 
     def per_sequence(self, out: torch.Tensor) -> torch.Tensor:
         """Model output [B, S, ...] → [n, L, ...] in `sources` order (zeros past each length)."""
@@ -100,6 +105,23 @@ class MicroBatch(TokenBatch):
         keep = _arange_mask(self.lengths, self.unpack_index.shape[1])
         keep = keep.view(*keep.shape, *([1] * (picked.dim() - 2)))
         return torch.where(keep, picked, torch.zeros((), dtype=picked.dtype))
+
+
+def packed_spans(segments: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row of `segments` ([B, S], sequence slot or -1 = padding): the (start, end) columns
+    of each sequence, in order."""
+    out = []
+    for row in segments.tolist():
+        spans: list[tuple[int, int]] = []
+        for col, slot in enumerate(row):
+            if slot < 0:
+                continue
+            if spans and row[spans[-1][0]] == slot and spans[-1][1] == col:
+                spans[-1] = (spans[-1][0], col + 1)
+            else:
+                spans.append((col, col + 1))
+        out.append(spans)
+    return out
 
 
 def loss_inputs(mb: TokenBatch, out: torch.Tensor) -> tuple[TokenBatch, torch.Tensor]:
