@@ -7,7 +7,7 @@ import pytest
 from megatron_rl.config.loader import ConfigError
 from megatron_rl.config.schema import ModelConfig, ParallelConfig
 from megatron_rl.models.builder import transformer_config
-from megatron_rl.models.registry import available_models, get_model_spec
+from megatron_rl.models.registry import HF_MODEL_TYPES, available_models, get_model_spec
 
 # the table: hidden/layers, heads/kv/head_dim, experts/top-k, moe ffn/shared, vocab
 RELEASED = {
@@ -62,6 +62,7 @@ def test_maps_to_transformers_config(name):
     if s.is_moe:
         assert (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size) == (
             s.num_experts, s.moe_router_topk, s.moe_ffn_hidden_size)
+    assert hf.model_type == HF_MODEL_TYPES[s.architecture]  # what conversions check, unimported
     if s.linear_attention:
         assert hf.layer_types == s.layer_types
         assert hf.linear_num_value_heads == s.linear_attention.num_value_heads

@@ -29,7 +29,7 @@ import torch
 from megatron_rl.checkpoint.errors import WeightMapError
 from megatron_rl.checkpoint.hf_io import HFCheckpoint, ShardedSafetensorsWriter, copy_tokenizer
 from megatron_rl.checkpoint.weight_map import EXPERT_LAYOUTS, HfLayout, WeightMap
-from megatron_rl.models.registry import HF_CLASSES, ModelSpec
+from megatron_rl.models.registry import HF_CLASSES, HF_MODEL_TYPES, ModelSpec
 
 
 def _peak_rss_mb() -> float:
@@ -192,9 +192,7 @@ def _vl_names(spec: ModelSpec) -> tuple[str, ...]:
 
 def _model_types(spec: ModelSpec) -> tuple[str, ...]:
     """config.json `model_type` values of the registry entry's family (text model, VL)."""
-    import transformers
-
-    text = getattr(transformers, HF_CLASSES[spec.architecture][0]).model_type
+    text = HF_MODEL_TYPES[spec.architecture]
     return (text, "qwen3_5_moe") if spec.architecture == "qwen3_5_moe" else (text,)
 
 

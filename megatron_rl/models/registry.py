@@ -25,6 +25,9 @@ HF_CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
+# config.json `model_type` of each config class above (their `model_type`, pinned by a test):
+# knowing it needs no import of transformers' model packages (a second of a conversion)
+HF_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 @dataclass
