@@ -35,6 +35,20 @@ def test_apply_is_idempotent_and_cpu_only():
     assert cpu_compat.needs_shims() == (not torch.cuda.is_available())
 
 
+def test_megatron_imports_without_wrapping_its_helpers_in_torch_compile():
+    """`import_megatron` on a CPU: megatron's fused helpers stay plain functions, torch._dynamo
+    is never imported, and torch.compile is torch's own again afterwards."""
+    script = ("import sys, torch; real = torch.compile; "
+              "from megatron_rl.models import cpu_compat as c; c.import_megatron(); "
+              "import megatron.core.jit as j; "
+              "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu; "
+              "print('torch._dynamo' in sys.modules, torch.compile is real, "
+              "j.jit_fuser is c._undecorated, type(bias_swiglu).__name__)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "True", "True", "function"] or torch.cuda.is_available()
+
+
 def test_cuda_tensor_module_list_covers_megatron():
     """Every megatron module on CPU paths that calls torch.tensor(..., device='cuda') is listed."""
     import importlib.util

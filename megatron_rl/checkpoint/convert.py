@@ -44,6 +44,9 @@ def import_hf(hf_dir: str, out_dir: str, model_name: str | ModelSpec, dtype: str
     checkpoint key and its canonical shape, and torch.distributed.checkpoint writes one chunk
     per (key, layer[, expert]), asking for each chunk's data only when it writes it. Megatron
     reshards such a checkpoint to any TP/PP/EP layout on load."""
+    from megatron_rl.models import cpu_compat
+
+    cpu_compat.import_megatron()
     import megatron.core.dist_checkpointing as mcore_ckpt  # noqa: F401 (registers strategies)
     from torch.distributed.checkpoint import FileSystemWriter, save
 

@@ -298,7 +298,9 @@ def _apply_eager() -> None:
 def _probe_eager() -> bool:
     import megatron.core.jit
 
-    return megatron.core.jit.jit_fuser is torch.compile
+    # megatron still wraps its fused helpers (with torch.compile, or with `_undecorated` when
+    # `import_megatron` imported it)
+    return megatron.core.jit.jit_fuser is not megatron.core.jit.noop_decorator
 
 
 # -- identitysort: the alltoall dispatcher re-sorts tokens by local expert even when one rank
@@ -406,11 +408,35 @@ def needs_shims() -> bool:
     return not torch.cuda.is_available()
 
 
+def _undecorated(model=None, **_options):
+    """`torch.compile` that compiles nothing: the model, or a decorator returning the function."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def import_megatron() -> None:
+    """Import megatron.core (once). Without CUDA, its import-time `torch.compile` decorations
+    (megatron's `jit_fuser` on fused bias/activation helpers) leave those functions as they
+    are: wrapping them imports torch._dynamo, about 1 s of every process that imports
+    megatron, and the "eager" shim runs them eagerly anyway."""
+    if "megatron.core" in sys.modules:
+        return
+    if not needs_shims():
+        import megatron.core
+        return
+    install_triton_placeholder()
+    compile_ = torch.compile
+    torch.compile = _undecorated
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = compile_
+
+
 def apply() -> list[str]:
     """Apply every shim once (idempotent); a no-op when CUDA is present."""
     if not needs_shims() or APPLIED:
         return APPLIED
-    install_triton_placeholder()
+    import_megatron()
     for shim in SHIMS:
         shim.apply()
         APPLIED.append(shim.name)

@@ -68,6 +68,9 @@ class MegatronActor:
                  temperature: float = 1.0):
         """`temperature`: log-probs, entropy and the loss are those of softmax(logits / T),
         the distribution the engine sampled from (verl's logits / T); 1 for SFT."""
+        from megatron_rl.models import cpu_compat
+
+        cpu_compat.import_megatron()  # first, so that a CPU process skips the compile wrappers
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.distributed.distributed_data_parallel_config import (
             DistributedDataParallelConfig,
