@@ -111,16 +111,12 @@ def packed_spans(segments: torch.Tensor) -> list[list[tuple[int, int]]]:
     """Per row of `segments` ([B, S], sequence slot or -1 = padding): the (start, end) columns
     of each sequence, in order."""
     out = []
-    for row in segments.tolist():
-        spans: list[tuple[int, int]] = []
-        for col, slot in enumerate(row):
-            if slot < 0:
-                continue
-            if spans and row[spans[-1][0]] == slot and spans[-1][1] == col:
-                spans[-1] = (spans[-1][0], col + 1)
-            else:
-                spans.append((col, col + 1))
-        out.append(spans)
+    for row in segments:  # runs of one slot, found where the slot changes (not per column)
+        cuts = (row[1:] != row[:-1]).nonzero().flatten().add(1).tolist()
+        bounds = [0, *cuts, row.numel()]
+        slots = row[bounds[:-1]].tolist()
+        out.append([(a, b) for a, b, slot in zip(bounds, bounds[1:], slots, strict=False)
+                    if slot >= 0])
     return out
 
 
