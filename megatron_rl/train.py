@@ -1,7 +1,8 @@
 """`megatron-rl train RECIPE [overrides]`: the RL loop, top-down.
 
 rollout (agent × engine × tools) → judge → reward shaping → per-turn advantages → Megatron
-update (PPO mini-batches) → weight sync.
+update (PPO mini-batches) → weight sync. With `rl.sampling.one_step_off_policy` the next
+step's rollouts are collected while the update runs (on a thread), from the weights before it.
 
 The driver process owns the rollout side: the task (prompts, agent, judge; the generated world
 and its search index by default), the engines and the scheduler with its rollout forest, all in
@@ -19,8 +20,11 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from megatron_rl.agents.tokenizer import pad_id, run_tokenizer
 from megatron_rl.algorithms.entropy import EntropyPIController
@@ -34,7 +38,7 @@ from megatron_rl.evaluation import evaluate_prompts
 from megatron_rl.models.registry import model_spec
 from megatron_rl.rewards.shaping import shape_rewards
 from megatron_rl.rewards.taxonomy import taxonomy_metrics
-from megatron_rl.rollout.scheduler import RolloutScheduler
+from megatron_rl.rollout.scheduler import RolloutScheduler, StepRollouts
 from megatron_rl.tasks import build_task
 from megatron_rl.trainer.batching import rl_batch
 from megatron_rl.trainer.hf_weights import (
@@ -73,6 +77,43 @@ def _timed(times: dict[str, float], key: str, call: Any, *args: Any) -> Any:
         finally:
             times[key] = time.perf_counter() - t
     return run
+
+
+async def _collect(scheduler: RolloutScheduler, step: int, engines: Any) -> StepRollouts:
+    """Step `step`'s rollouts, with the seconds they took (`time/generate`: the in-process
+    engine's share)."""
+    t0, busy = time.perf_counter(), engines.busy_seconds()
+    rollouts = await scheduler.collect(step)
+    rollouts.metrics["time/rollout"] = time.perf_counter() - t0
+    if busy is not None:
+        rollouts.metrics["time/generate"] = engines.busy_seconds() - busy
+    return rollouts
+
+
+async def _alongside[T](work: Callable[[], T], collect: Awaitable[Any]) -> tuple[T, Any]:
+    """`work()` on a thread (at this thread's torch thread count) while `collect` runs on the
+    loop: one-step off-policy's update beside the next step's rollouts. A failed update
+    cancels the collect."""
+    task, threads = asyncio.ensure_future(collect), torch.get_num_threads()
+
+    def on_thread() -> T:
+        torch.set_num_threads(threads)  # OpenMP's count is per thread (torchrun's rank 0)
+        return work()
+
+    try:
+        done = await asyncio.to_thread(on_thread)
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    return done, await task
+
+
+def _version_lag(trajs: list[Any], version: int) -> float:
+    """How many weight versions the oldest token of the step's rollouts lags the trainer's
+    (0 on policy; 1 one step off-policy; more for a resumed partial rollout)."""
+    versions = [v for t in trajs for turn in t.turns for v in turn.weight_versions]
+    return float(version - min(versions)) if versions else 0.0
 
 
 def check_inputs(cfg: Config) -> None:
@@ -126,14 +167,13 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
         logger = MetricsLogger(out, resume_from=start or None, sinks=rl.loggers)
         cleanup.callback(logger.close)
         truncate_jsonl(out / "trajectories.jsonl", start or None)
+        ahead = None  # one_step_off_policy: the rollouts collected while the last step trained
         for step in range(start, cfg.train.steps):
-            t0, busy = time.perf_counter(), engines.busy_seconds()
-            rollouts = loop.run(scheduler.collect(step))
+            t0 = time.perf_counter()
+            rollouts = ahead or loop.run(_collect(scheduler, step, engines))
             trajs = rollouts.trajectories
-            metrics = {**rollouts.metrics, **taxonomy_metrics(trajs)}
-            if busy is not None:
-                metrics["time/generate"] = engines.busy_seconds() - busy
-            t1 = time.perf_counter()
+            metrics = {**rollouts.metrics, **taxonomy_metrics(trajs),
+                       "rollout/weight_version_lag": _version_lag(trajs, step)}
             shape_rewards(trajs, needs=needs(rl.reward_manager),
                           overlong_budget=rl.max_turns * rl.max_new_tokens,
                           overlong_buffer=rl.overlong_buffer)
@@ -141,23 +181,31 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
                                           rows_multiple=info["dp"] * cfg.train.micro_batch_size,
                                           pad_id=pad_id(tokenizer))
             metrics.update(adv_metrics)
+            progress = scheduler.state_dict()  # a checkpoint resumes before the next collect
             # colocated: engines release → trainer onload → update → trainer offload →
             # engine weights → sync → engine KV cache (engines/colocation.py)
             times: dict[str, float] = {}
             update = _timed(times, "train", trainer.call, "update", batch, coef)
-            metrics.update(engines.update_and_sync(
-                loop, update, _timed(times, "sync", trainer.call, "sync", step + 1),
-                onload=_timed(times, "onload", trainer.call, "onload") if colocated else None,
-                offload=_timed(times, "offload", trainer.call, "offload") if colocated
-                else None))
+            sync = _timed(times, "sync", trainer.call, "sync", step + 1)
+            ahead = None
+            if rl.sampling.one_step_off_policy and step + 1 < cfg.train.steps:
+                updated, ahead = loop.run(_alongside(update, _collect(scheduler, step + 1,
+                                                                      engines)))
+                metrics.update({**updated, **sync()})
+            else:
+                metrics.update(engines.update_and_sync(
+                    loop, update, sync,
+                    onload=_timed(times, "onload", trainer.call, "onload") if colocated
+                    else None,
+                    offload=_timed(times, "offload", trainer.call, "offload") if colocated
+                    else None))
             if entropy is not None and "entropy" in metrics:
                 coef = entropy.update(metrics["entropy"])
             if rl.eval_every and (step + 1) % rl.eval_every == 0:
                 metrics.update(loop.run(evaluate_prompts(
                     task.eval_agent, engines.policy, task.score, task.held_out)))
-            metrics.update({"entropy_coef": coef, "time/rollout": t1 - t0,
-                            "time/train": times.get("train", 0.0), "time/sync": times["sync"],
-                            "time/step": time.perf_counter() - t0,
+            metrics.update({"entropy_coef": coef, "time/train": times.get("train", 0.0),
+                            "time/sync": times["sync"], "time/step": time.perf_counter() - t0,
                             "batch/sequences": float(batch.rows if batch else 0)})
             _dump(out / "trajectories.jsonl", step + 1, trajs)
             logger.log(step + 1, metrics, console_keys=CONSOLE)
@@ -165,7 +213,7 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
             save, export = checkpoint_due(cfg.checkpoint, step + 1, cfg.train.steps)
             if save:
                 trainer.call("save", {
-                    "rollout": scheduler.state_dict(),
+                    "rollout": progress,
                     "entropy_control": entropy.state_dict() if entropy else None})
             if export:
                 export_step(cfg, spec, step + 1, Path(cfg.model.hf_path or

@@ -177,3 +177,76 @@ def test_sigkill_then_resume_gives_a_bit_identical_next_step(tmp_path):
     steps = [json.loads(x)["step"] for x in
              (tmp_path / "killed" / "trajectories.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and steps.count(3) == 4  # no duplicate step-3 dump
+
+
+def test_one_step_off_policy_trains_on_the_rollouts_of_the_weights_before(tmp_path):
+    """rl.sampling.one_step_off_policy: step s+1's rollouts are generated while step s
+    trains, from the weights before its update (version s - 1 where on-policy has s), and the
+    trainer scores them at its newer weights (the mismatch TIS weighs). A checkpoint holds the
+    data cursor from before those rollouts: resumed, the step collects the same prompts again
+    at the checkpoint's weights."""
+    moving = ["rl.loss.entropy_coef=0.01",  # a random policy earns no reward: train on entropy
+              "rl.sampling.one_step_off_policy=true", "checkpoint.save_every=1",
+              "checkpoint.keep_last=3"]
+    rows = _run(tmp_path / "a", 1, ["train.steps=3", *moving])
+    trajs = _lines(tmp_path / "a" / "trajectories.jsonl")
+    for t in trajs:
+        versions = {v for turn in t["turns"] for v in turn["weight_versions"]}
+        assert versions == {max(t["step"] - 2, 0)}, (t["step"], versions)
+    assert [r["rollout/weight_version_lag"] for r in rows] == [0.0, 1.0, 1.0]
+    on_policy, off_policy = (r["mismatch/train_rollout_logprob_abs_diff"] for r in rows[:2])
+    assert on_policy < 1e-5 < off_policy, (on_policy, off_policy)
+
+    resumed = _run(tmp_path / "b", 1, ["train.steps=3", *moving,
+                                       f"checkpoint.load={tmp_path}/a/ckpt/step_000002"])
+    assert len(resumed) == 1 and resumed[0]["rollout/weight_version_lag"] == 0.0
+    again = _lines(tmp_path / "b" / "trajectories.jsonl")
+    assert {t["step"] for t in again} == {3}
+    assert {v for t in again for turn in t["turns"] for v in turn["weight_versions"]} == {2}
+    assert sorted(t["question"] for t in again) == \
+        sorted(t["question"] for t in trajs if t["step"] == 3)
+
+
+def test_one_step_off_policy_refuses_engines_that_share_the_trainer_memory():
+    from megatron_rl.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="one_step_off_policy.*disaggregated"):
+        load_config("tiny-moe-rl-cpu", ["rl.sampling.one_step_off_policy=true",
+                                        "rollout.ray=true", "rollout.layout=colocated"])
+
+
+def test_the_update_runs_on_a_thread_while_the_next_rollouts_collect():
+    """One-step off-policy's overlap itself: the update (a thread) waits for something only
+    the collect (the loop) does, so this returns only if both run at once; a failed update
+    cancels the collect instead of waiting for it."""
+    from megatron_rl.train import _alongside
+
+    seen = threading.Event()
+
+    async def collect():
+        await asyncio.sleep(0.01)
+        seen.set()
+        return "rollouts"
+
+    def update():
+        assert seen.wait(10), "the collect did not run while the update did"
+        return "updated"
+
+    assert asyncio.run(_alongside(update, collect())) == ("updated", "rollouts")
+
+    cancelled = threading.Event()
+
+    async def endless():
+        try:
+            await asyncio.sleep(600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def failing():
+        raise RuntimeError("update failed")
+
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="update failed"):
+        asyncio.run(_alongside(failing, endless()))
+    assert cancelled.is_set() and time.perf_counter() - t0 < 60

@@ -520,6 +520,11 @@ class SchedulerConfig:
     partial_rollout: bool = bounded(
         False, help="Iris: cut in-flight sessions at the step boundary and resume them next "
         "step from their committed prefix (rollout forest)")
+    one_step_off_policy: bool = bounded(
+        False, help="generate step k+1's rollouts while step k trains (verl's one-step "
+        "off-policy, slime's train_async): the engines never wait for the update, and the "
+        "trainer's old log-probs and TIS weigh the one-version lag. Needs engines that keep "
+        "their memory while the trainer steps (not Ray-placed colocated engines)")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -648,6 +653,10 @@ class Config:
         if ro.engine == "sglang" and served is None:
             raise ConfigError("rollout.model_path: engine=sglang needs a model directory (or "
                               "model.hf_path)")
+        if self.rl.sampling.one_step_off_policy and ro.ray and ro.layout == "colocated":
+            raise ConfigError("rl.sampling.one_step_off_policy: colocated engines release their "
+                              "memory while the trainer steps, so nothing can generate "
+                              "meanwhile; use rollout.layout=disaggregated")
         for name, pool in ro.aux_pools.items():
             if pool.model_path is None and served is None:
                 raise ConfigError(f"rollout.aux_pools.{name}.model_path: required when "
