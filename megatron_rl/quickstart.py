@@ -30,6 +30,8 @@ from typing import Any
 
 from megatron_rl.config.loader import deep_merge, parse_overrides, read_yaml, resolve_recipe
 from megatron_rl.report import write_report
+from megatron_rl.report.plots import plot_accuracy, plot_runs
+from megatron_rl.utils.metrics import read_metrics
 
 
 @dataclass(frozen=True)
@@ -443,14 +445,19 @@ def _pass_at_1(out: Path, run: str) -> float | None:
     return json.loads(path.read_text())["pass@1"] if path.is_file() else None
 
 
-def _ablation_seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
-    """Each RL method's held-out pass@1 at every seed it has run, their mean ± std."""
-    methods = [("rdpo (itersynth)", seed_runs(rl_seeds))] + [
+def _rl_methods(rl_seeds: int) -> list[tuple[str, list[str]]]:
+    """Each RL method's label and runs (their folders: `eval/<run>`, and the RL run's metrics
+    in `<run>` for the main RDPO ones, `ablation/<run>` for the others)."""
+    return [("rdpo (itersynth)", seed_runs(rl_seeds))] + [
         (label, ablation_runs(name, rl_seeds)) for name, label in ABLATION_ROWS
         if name in ABLATION]
+
+
+def _ablation_seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
+    """Each RL method's held-out pass@1 at every seed it has run, their mean ± std."""
     rows = ["| RL method | " + " | ".join(f"seed {seed + k}" for k in range(rl_seeds))
             + " | mean ± std |", "|---|" + "---|" * (rl_seeds + 1)]
-    for label, runs in methods:
+    for label, runs in _rl_methods(rl_seeds):
         acc = [_pass_at_1(out, r) for r in runs]
         have = [a for a in acc if a is not None]
         mean = sum(have) / len(have) if have else float("nan")
@@ -459,6 +466,36 @@ def _ablation_seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
                                                   for a in acc)
                     + (f" | {mean:.3f} ± {std:.3f} ({len(have)}) |" if have else " | |"))
     return rows
+
+
+ABLATION_CURVES = ("rollout/sampled_outcome_mean", "tools/calls_mean", "rollout/turns_mean",
+                   "rollout/dropped_groups", "time/step")
+
+
+def _accuracies(out: Path, rl_seeds: int, ablation: bool) -> dict[str, list[float]]:
+    """Held-out pass@1 of every model and RL method: label -> one value per run that has an
+    eval (the RL methods: one per seed)."""
+    models: list[tuple[str, list[str]]] = [("untrained", ["untrained"]), ("sft", ["sft"])]
+    methods = _rl_methods(rl_seeds)
+    if ablation:
+        models.append(("sft (react)", ["sft_react"]))
+    return {label: [a for r in runs if (a := _pass_at_1(out, r)) is not None]
+            for label, runs in models + (methods if ablation else methods[:1])}
+
+
+def _pictures(out: Path, rl_seeds: int, ablation: bool) -> list[Path]:
+    """`report/accuracy.png` (held-out pass@1 per model and method, a dot per seed) and, with
+    the ablation, `report/ablation_curves.png` (each method's RL runs per step)."""
+    written = [plot_accuracy(_accuracies(out, rl_seeds, ablation), out / "report/accuracy.png",
+                             title="held-out pass@1 (greedy); a dot per RL seed")]
+    if ablation:
+        # the main RDPO runs sit in <out>/<run>, the ablation's in <out>/ablation/<run>
+        metrics = {label: [read_metrics(m) for r in names for m in
+                           (out / r / "metrics.jsonl", out / f"ablation/{r}/metrics.jsonl")
+                           if m.is_file()] for label, names in _rl_methods(rl_seeds)}
+        written.append(plot_runs({k: v for k, v in metrics.items() if v}, ABLATION_CURVES,
+                                 out / "report/ablation_curves.png"))
+    return written
 
 
 def _mean_rate(rows: list[dict[str, Any]]) -> str:
@@ -473,7 +510,8 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int =
            rl_seeds: int = 1, extra: frozenset[str] = frozenset()) -> Path:
     """`report.md`: stage timings, held-out accuracy per model, SFT and RL numbers, pictures.
     `extra`: the stages of the extra RL runs (seeds, ablation), timed apart from the path."""
-    pictures = write_report(out / "rl", out / "report")
+    pictures = {**{p.name: p for p in _pictures(out, rl_seeds, ablation)},
+                **write_report(out / "rl", out / "report")}
     rows = [_eval_row(out, name) for name in ("untrained", "sft", "rl")]
     if rl_seeds > 1:
         rows += ["", f"## RL over {rl_seeds} seeds (same SFT start)", "",

@@ -332,3 +332,24 @@ def test_the_report_gives_each_method_over_the_seeds_it_ran(tmp_path):
     assert rows[3] == "| grpo (itersynth) | 0.120 | 0.200 | not run | 0.160 ± 0.057 (2) |"
     assert rows[4] == "| rdpo_mixed (itersynth) | 0.300 | not run | not run | 0.300 ± 0.000 (1) |"
     assert rows[5] == "| grpo (react) | not run | not run | not run | |"
+
+
+def test_the_report_pictures_every_model_and_method_with_a_dot_per_seed(tmp_path):
+    for run, acc in (("untrained", 0.0), ("sft", 0.03), ("rl", 0.29), ("seed1", 0.23),
+                     ("grpo", 0.12), ("sft_react", 0.26)):
+        (tmp_path / f"eval/{run}").mkdir(parents=True)
+        (tmp_path / f"eval/{run}/summary.json").write_text(json.dumps({"pass@1": acc}))
+    assert q._accuracies(tmp_path, 2, ablation=False) == {
+        "untrained": [0.0], "sft": [0.03], "rdpo (itersynth)": [0.29, 0.23]}
+    assert q._accuracies(tmp_path, 2, ablation=True) == {
+        "untrained": [0.0], "sft": [0.03], "sft (react)": [0.26],
+        "rdpo (itersynth)": [0.29, 0.23], "grpo (itersynth)": [0.12],
+        "rdpo_mixed (itersynth)": [], "grpo (react)": []}
+    for folder in ("rl", "seed1", "ablation/grpo"):  # where each method's RL runs write
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "rollout/sampled_outcome_mean": 0.1 * s, "time/step": 9.0})
+            + "\n" for s in (1, 2, 3)))
+    written = q._pictures(tmp_path, 2, ablation=True)
+    assert [p.name for p in written] == ["accuracy.png", "ablation_curves.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)

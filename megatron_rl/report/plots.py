@@ -10,6 +10,10 @@
 | `mismatch.png` | `mismatch/…` (train vs. rollout log-probs, TIS), `rollout/stale_token_fraction` |
 | `sampling.png` | groups kept / dropped / kept for some roles, prompts skipped / cut, seconds |
 
+Across runs: `plot_accuracy` (one bar per model or method, a dot per run: seeds) and
+`plot_runs` (a metric per step, one line per method: the mean over its runs, the band their
+range).
+
 The roles are the ones the taxonomy counted turns for (`rollout/<role>_turns_mean`). A figure
 none of whose metrics is in the file is not written; a value that is not a number is skipped.
 """
@@ -20,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.utils.metrics import plot_metrics, read_metrics
+from megatron_rl.utils.metrics import plot_metrics, read_metrics, save_figure
 
 REWARD_ACCURACY = ("reward/outcome_mean", "rollout/sampled_outcome_mean", "rollout/pass_rate",
                    "rollout/judged_pass_rate", "eval/outcome_mean", "eval/pass_rate",
@@ -87,3 +91,64 @@ def write_plots(metrics: str | Path | list[dict[str, Any]], out_dir: str | Path
     if figures:
         out.mkdir(parents=True, exist_ok=True)
     return {name: plot_metrics(rows, keys, out / name) for name, keys in figures.items()}
+
+
+def plot_accuracy(values: dict[str, list[float]], out: Path, *, title: str,
+                  ylabel: str = "held-out pass@1") -> Path:
+    """One bar per label at the mean of its values (runs: seeds), each value a dot on it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    have = {k: v for k, v in values.items() if v}
+    fig, ax = plt.subplots(figsize=(1.3 * max(len(have), 3) + 1.5, 3.6))
+    for i, vals in enumerate(have.values()):
+        mean = sum(vals) / len(vals)
+        ax.bar(i, mean, color="tab:blue", alpha=0.45)
+        offsets = [(k - (len(vals) - 1) / 2) * 0.08 for k in range(len(vals))]  # equal ones apart
+        ax.scatter([i + o for o in offsets], vals, color="black", s=14, zorder=3)
+        ax.annotate(f"{mean:.3f}", (i, mean), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 3), textcoords="offset points")
+    ax.set_xticks(range(len(have)), list(have), rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    return save_figure(fig, out)
+
+
+def plot_runs(runs: dict[str, list[list[dict[str, Any]]]], keys: tuple[str, ...], out: Path
+              ) -> Path:
+    """One panel per metric against step, one line per label: the mean over its runs' rows
+    (each run a `metrics.jsonl`'s rows) at every step some run has, shaded between their
+    lowest and highest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, max(1, len(keys)))
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.8 * cols, 3.3 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        for label, rows_per_run in runs.items():
+            by_step: dict[float, list[float]] = {}
+            for rows in rows_per_run:
+                for r in numeric_rows(rows):
+                    if key in r:
+                        by_step.setdefault(r["step"], []).append(r[key])
+            if not by_step:
+                continue
+            steps = sorted(by_step)
+            mean = [sum(by_step[s]) / len(by_step[s]) for s in steps]
+            line, = ax.plot(steps, mean, label=f"{label} ({len(rows_per_run)})")
+            ax.fill_between(steps, [min(by_step[s]) for s in steps],
+                            [max(by_step[s]) for s in steps], color=line.get_color(),
+                            alpha=0.15)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    return save_figure(fig, out)

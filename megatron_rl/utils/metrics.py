@@ -139,7 +139,15 @@ def plot_metrics(rows: list[dict[str, Any]], keys: tuple[str, ...], out: Path) -
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
+    return save_figure(fig, out)
+
+
+def save_figure(fig: Any, out: Path) -> Path:
+    """A matplotlib figure as a PNG at `out`, written atomically; the figure is closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp.png")
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
