@@ -32,7 +32,7 @@ from megatron_rl.algorithms.reward_managers import needs
 from megatron_rl.config.schema import Config
 from megatron_rl.data.parquet import read_prompts
 from megatron_rl.distributed.spmd import RankObjects, SPMDGroup
-from megatron_rl.engines.launch import start_engines
+from megatron_rl.engines.launch import Engines, start_engines
 from megatron_rl.env.build import BUILTIN_PARAMETERS
 from megatron_rl.evaluation import evaluate_prompts
 from megatron_rl.models.registry import model_spec
@@ -79,7 +79,8 @@ def _timed(times: dict[str, float], key: str, call: Any, *args: Any) -> Any:
     return run
 
 
-async def _collect(scheduler: RolloutScheduler, step: int, engines: Any) -> StepRollouts:
+async def _collect(scheduler: RolloutScheduler, step: int, engines: Engines
+                   ) -> StepRollouts:
     """Step `step`'s rollouts, with the seconds they took (`time/generate`: the in-process
     engine's share)."""
     t0, busy = time.perf_counter(), engines.busy_seconds()
@@ -181,7 +182,9 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
                                           rows_multiple=info["dp"] * cfg.train.micro_batch_size,
                                           pad_id=pad_id(tokenizer))
             metrics.update(adv_metrics)
-            progress = scheduler.state_dict()  # a checkpoint resumes before the next collect
+            save, export = checkpoint_due(cfg.checkpoint, step + 1, cfg.train.steps)
+            # taken before the next step's collect may move it: a resume collects that again
+            progress = scheduler.state_dict() if save else None
             # colocated: engines release → trainer onload → update → trainer offload →
             # engine weights → sync → engine KV cache (engines/colocation.py)
             times: dict[str, float] = {}
@@ -210,7 +213,6 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
             _dump(out / "trajectories.jsonl", step + 1, trajs)
             logger.log(step + 1, metrics, console_keys=CONSOLE)
             rows.append(metrics)
-            save, export = checkpoint_due(cfg.checkpoint, step + 1, cfg.train.steps)
             if save:
                 trainer.call("save", {
                     "rollout": progress,

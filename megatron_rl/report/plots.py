@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.utils.metrics import plot_metrics, read_metrics, save_figure
+from megatron_rl.utils.metrics import panels, plot_metrics, pyplot, read_metrics, save_figure
 
 REWARD_ACCURACY = ("reward/outcome_mean", "rollout/sampled_outcome_mean", "rollout/pass_rate",
                    "rollout/judged_pass_rate", "eval/outcome_mean", "eval/pass_rate",
@@ -96,13 +96,8 @@ def write_plots(metrics: str | Path | list[dict[str, Any]], out_dir: str | Path
 def plot_accuracy(values: dict[str, list[float]], out: Path, *, title: str,
                   ylabel: str = "held-out pass@1") -> Path:
     """One bar per label at the mean of its values (runs: seeds), each value a dot on it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     have = {k: v for k, v in values.items() if v}
-    fig, ax = plt.subplots(figsize=(1.3 * max(len(have), 3) + 1.5, 3.6))
+    fig, ax = pyplot().subplots(figsize=(1.3 * max(len(have), 3) + 1.5, 3.6))
     for i, vals in enumerate(have.values()):
         mean = sum(vals) / len(vals)
         ax.bar(i, mean, color="tab:blue", alpha=0.45)
@@ -122,19 +117,13 @@ def plot_runs(runs: dict[str, list[list[dict[str, Any]]]], keys: tuple[str, ...]
     """One panel per metric against step, one line per label: the mean over its runs' rows
     (each run a `metrics.jsonl`'s rows) at every step some run has, shaded between their
     lowest and highest."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(3, max(1, len(keys)))
-    nrows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.8 * cols, 3.3 * nrows), squeeze=False)
-    for ax, key in zip(axes.flat, keys, strict=False):
-        for label, rows_per_run in runs.items():
+    numeric = {label: [numeric_rows(rows) for rows in per_run] for label, per_run in runs.items()}
+    fig, axes = panels(len(keys), 4.8, 3.3)
+    for ax, key in zip(axes, keys, strict=False):
+        for label, rows_per_run in numeric.items():
             by_step: dict[float, list[float]] = {}
             for rows in rows_per_run:
-                for r in numeric_rows(rows):
+                for r in rows:
                     if key in r:
                         by_step.setdefault(r["step"], []).append(r[key])
             if not by_step:
@@ -148,7 +137,5 @@ def plot_runs(runs: dict[str, list[list[dict[str, Any]]]], keys: tuple[str, ...]
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
+    axes[0].legend(fontsize=7)
     return save_figure(fig, out)

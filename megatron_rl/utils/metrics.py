@@ -120,36 +120,47 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_metrics(rows: list[dict[str, Any]], keys: tuple[str, ...], out: Path) -> Path:
-    """One panel per metric against step; written atomically as a PNG."""
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (no display on a training host)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def panels(count: int, width: float = 4.5, height: float = 3.2) -> tuple[Any, list[Any]]:
+    """A figure of `count` panels, three to a row: (figure, the `count` axes); the grid's
+    spare cells are hidden."""
+    cols = min(3, max(1, count))
+    nrows = max(1, math.ceil(count / cols))
+    fig, axes = pyplot().subplots(nrows, cols, figsize=(width * cols, height * nrows),
+                                  squeeze=False)
+    for ax in list(axes.flat)[count:]:
+        ax.axis("off")
+    return fig, list(axes.flat)[:max(count, 1)]
+
+
+def plot_metrics(rows: list[dict[str, Any]], keys: tuple[str, ...], out: Path) -> Path:
+    """One panel per metric against step; written atomically as a PNG."""
     keys = tuple(k for k in keys if any(k in r for r in rows))
-    cols = min(3, max(1, len(keys)))
-    nrows = max(1, math.ceil(len(keys) / cols))
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.2 * nrows), squeeze=False)
-    for ax, key in zip(axes.flat, keys, strict=False):
+    fig, axes = panels(len(keys))
+    for ax, key in zip(axes, keys, strict=False):
         pts = [(r["step"], r[key]) for r in rows if key in r]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3)
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
     return save_figure(fig, out)
 
 
 def save_figure(fig: Any, out: Path) -> Path:
     """A matplotlib figure as a PNG at `out`, written atomically; the figure is closed."""
-    import matplotlib.pyplot as plt
-
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp.png")
     fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     tmp.replace(out)
     return out
