@@ -28,6 +28,7 @@ from megatron_rl.engines.base import EngineError, GenerateRequest, SamplingParam
 from megatron_rl.engines.embedded import EmbeddedServer
 from megatron_rl.engines.embedded_core import (
     EmbeddedCore,
+    FusedRMSNorm,
     Sampling,
     Seq,
     draw_tokens,
@@ -693,6 +694,52 @@ def test_rows_joining_and_leaving_a_running_batch_keep_generates_outputs(
         assert s.future.result(timeout=0)["output_ids"] == hf_greedy(model, p, n)
         assert max_diff(s.logprobs, full_logprobs(model, p, s.out)) < TOL
     assert core.max_running == 4 and core.cache is None and core.width == 0
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-qwen3.5"])
+def test_the_engine_runs_each_rms_norm_as_one_op_with_the_same_outputs(name: str) -> None:
+    """The engine swaps the norms whose fused op matches bit for bit (Qwen3's w and Qwen3.5's
+    1 + w); the parameters keep their names and storage, the logits stay exactly HF's, and
+    Qwen3.5's gated norm (another formula) stays as it is."""
+    model = hf_model(name)
+    with torch.no_grad():  # gammas away from their init, so w and 1 + w differ
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    reference = copy.deepcopy(model)
+    names = [n for n, _ in model.named_parameters()]
+    storage = {n: p.data_ptr() for n, p in model.named_parameters()}
+    core = EmbeddedCore(model)
+    fused = {n: m for n, m in model.named_modules() if isinstance(m, FusedRMSNorm)}
+    kept = {type(m).__name__ for m in model.modules() if not isinstance(m, FusedRMSNorm)
+            and type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))}
+    assert core.fused_norms == len(fused) == (9 if name == "tiny-moe" else 11)
+    assert {m.offset for m in fused.values()} == ({0.0} if name == "tiny-moe" else {1.0})
+    assert kept == (set() if name == "tiny-moe" else {"Qwen3_5MoeRMSNormGated"})
+    assert [n for n, _ in model.named_parameters()] == names
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == storage
+    ids = torch.tensor([mixed_prompts(1, 40, 40, seed=3)[0]] * 2)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_a_norm_of_another_formula_is_not_fused() -> None:
+    """Only the probe decides: a module named like an RMSNorm that adds eps outside the root
+    is left alone."""
+
+    class OddRMSNorm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.ones(8)), 1e-6
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.weight * x / (x.pow(2).mean(-1, keepdim=True).sqrt() + 1e-6)
+
+    net = torch.nn.Sequential(OddRMSNorm())
+    assert embedded_core.fuse_rms_norms(net) == 0 and isinstance(net[0], OddRMSNorm)
+    model = hf_model("tiny-moe")
+    assert embedded_core.fuse_rms_norms(model) == 9
+    assert embedded_core.fuse_rms_norms(model) == 0  # once is enough
 
 
 def test_the_engine_decodes_on_its_own_thread_count(model) -> None:

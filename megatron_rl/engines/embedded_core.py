@@ -388,6 +388,7 @@ class EmbeddedCore:
                  context_length: int | None = None,
                  prefill_call_tokens: int = PREFILL_CALL_TOKENS, threads: int | None = None):
         self.model = model.eval()
+        self.fused_norms = fuse_rms_norms(model)
         # intra-op threads of the engine's own thread (OpenMP's setting is per thread). A tiny
         # model's decode step is per-op overhead: 2 threads ran batches of 8-16 rows at 0.65-0.8x
         # the tokens/s of 1 (benchmarks/engine_vs_generate.py --threads)
@@ -1162,6 +1163,63 @@ def attention_mode(model: torch.nn.Module) -> str:
         return "mask2d"
     recurrent = any(_is_recurrent(layer) for layer in DynamicCache(config=model.config).layers)
     return "bias" if impl == "sdpa" and not recurrent and _sdpa_takes_bias() else "mask4d"
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """An RMSNorm as one op (`torch.nn.functional.rms_norm`, what the trainer's specs run),
+    holding the Parameter of the module it replaces: same name, same values, same storage.
+    `offset` 1.0: a zero-centred gamma (Qwen3.5's 1 + w)."""
+
+    def __init__(self, weight: torch.nn.Parameter, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight, self.eps, self.offset = weight, eps, offset
+        self.variance_epsilon = eps  # HF Qwen3's name for it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gamma = self.weight + self.offset if self.offset else self.weight
+        return torch.nn.functional.rms_norm(x, gamma.shape, gamma, self.eps)
+
+
+def fuse_rms_norms(model: torch.nn.Module) -> int:
+    """Swap each RMSNorm whose output the fused op reproduces bit for bit (probed on a copy
+    with random weights, in the model's dtype) for a `FusedRMSNorm`; returns how many. HF's
+    norm is five ops (to fp32, pow, mean, rsqrt, two muls): at a decode step's 16 rows their
+    dispatch costs more than the math. A norm of any other formula stays as it is."""
+    import copy
+
+    offsets: dict[type, float | None] = {}  # per class: the fused form that matched, if any
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, m in list(parent.named_children()):
+            w = getattr(m, "weight", None)
+            eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+            if (isinstance(m, FusedRMSNorm) or not type(m).__name__.endswith("RMSNorm")
+                    or not isinstance(w, torch.nn.Parameter)
+                    or w.dim() != 1 or not isinstance(eps, float) or list(m.children())):
+                continue
+            if type(m) not in offsets:
+                offsets[type(m)] = next((o for o in (0.0, 1.0)
+                                         if _fuses_exactly(copy.deepcopy(m), eps, o)), None)
+            if offsets[type(m)] is not None:
+                setattr(parent, name, FusedRMSNorm(w, eps, offsets[type(m)]))
+                swapped += 1
+    return swapped
+
+
+def _fuses_exactly(probe: torch.nn.Module, eps: float, offset: float) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    w = probe.weight
+    with torch.no_grad():
+        w.copy_(torch.randn(w.shape, generator=gen).to(w.dtype))
+        fused = FusedRMSNorm(w, eps, offset)
+        for scale in (1e-3, 1.0, 1e3):
+            x = (torch.randn(3, 5, w.shape[0], generator=gen) * scale).to(w.dtype)
+            try:
+                if not torch.equal(probe(x), fused(x)):
+                    return False
+            except Exception:  # a norm with another signature: leave it as it is
+                return False
+    return True
 
 
 def keeps_no_state(model: torch.nn.Module) -> bool:
