@@ -324,9 +324,11 @@ def _eval(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"megatron-rl: {e}", file=sys.stderr)
         return 2
+    k = s["samples"]
+    several = f" x {k} samples, pass@{k} {s[f'pass@{k}']:.3f}" if k > 1 else ""
     print(f"[eval] {s['agent']} on {s['model']}: pass@1 {s['pass@1']:.3f} over "
-          f"{s['questions']} questions (mean score {s['mean_score']:.3f}; engine failures "
-          f"{s['engine_failures']}, judge failures {s['judge_failures']}) in "
+          f"{s['questions']} questions{several} (mean score {s['mean_score']:.3f}; engine "
+          f"failures {s['engine_failures']}, judge failures {s['judge_failures']}) in "
           f"{s['seconds']:.0f}s; trajectories and summary in {cfg.out}/")
     return 0
 
@@ -570,6 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(else the next step repeats the last); 0 = off")
     ev.add_argument("--seed", type=int, default=0, help="sampled requests' seeds derive from "
                     "it and the request id (reproducible sampled evals)")
+    ev.add_argument("--samples", type=int, default=1, help="episodes per question (sampled "
+                    "decoding): pass@1 is their mean, pass@N the share of questions any solved")
     ev.add_argument("--no-tool-specs", dest="tool_specs", action="store_false",
                     help="leave the tools' schemas out of the system prompt (a policy trained "
                          "so: data teacher --no-tool-specs, rl.tool_specs=false)")

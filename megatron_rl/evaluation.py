@@ -14,7 +14,6 @@ import asyncio
 import json
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ class EvalConfig:
     temperature: float = 0.0
     unstick_temperature: float = 0.0  # IterSynth, greedy: re-decode notes that did not change
     seed: int = 0                     # sampled requests' seeds derive from it and the request
+    samples: int = 1                  # episodes per question (pass@1 is their mean)
 
 
 def read_questions(path: str, limit: int | None = None) -> list[dict[str, Any]]:
@@ -142,6 +142,8 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
 
     agent_cls = AGENTS.get(cfg.agent, "--agent")
     rows = read_questions(cfg.questions, cfg.limit)
+    if cfg.samples < 1:
+        raise ValueError(f"--samples: {cfg.samples}; at least 1 episode per question")
     tokenizer = _tokenizer(cfg)
     agent_cfg = AgentConfig(max_turns=cfg.max_turns, sampling=SamplingParams(
         temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
@@ -174,13 +176,15 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     slots = asyncio.Semaphore(cfg.concurrency)
-    bar = tqdm(total=len(rows), desc=f"eval {cfg.agent}", unit="q", disable=not progress,
-               file=sys.stderr)
+    bar = tqdm(total=len(rows) * cfg.samples, desc=f"eval {cfg.agent}", unit="episode",
+               disable=not progress, file=sys.stderr)
     t0 = time.time()
 
-    async def one(i: int, row: dict[str, str]):
+    async def one(i: int, k: int, row: dict[str, str]):
         async with slots:
-            uid = f"q{i}-{uuid.uuid4().hex[:6]}"
+            # the request ids (and so the sampled requests' seeds) follow from the question,
+            # the sample and --seed alone: a sampled eval is reproducible
+            uid = f"q{i}" if cfg.samples == 1 else f"q{i}.s{k}"
             try:
                 traj = await agent.run(row["question"], row["answer"], engine, group_id=f"q{i}",
                                        uid=uid, **({"messages": row["messages"]}
@@ -192,7 +196,8 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
             return traj, None
 
     try:
-        results = await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+        results = await asyncio.gather(*(one(i, k, r) for i, r in enumerate(rows)
+                                         for k in range(cfg.samples)))
     finally:
         bar.close()
         await engine.close()
@@ -204,9 +209,14 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
         for t in trajectories:
             f.write(json.dumps(t.to_dict()) + "\n")
     judged = [t for t in trajectories if "outcome" in t.rewards]
+    right = [t for t in judged if t.metadata["judge"]["correct"] is True]
     summary = {
         "agent": cfg.agent, "model": cfg.model_dir or cfg.model, "questions": len(rows),
-        "pass@1": sum(t.metadata["judge"]["correct"] is True for t in judged) / len(rows),
+        "samples": cfg.samples, "temperature": cfg.temperature,
+        # an episode that failed for good counts as wrong, as does an unjudged one
+        "pass@1": len(right) / (len(rows) * cfg.samples),
+        **({f"pass@{cfg.samples}": len({t.group_id for t in right}) / len(rows)}
+           if cfg.samples > 1 else {}),
         "mean_score": sum(t.rewards["outcome"] for t in judged) / max(len(judged), 1),
         "engine_failures": len(failures), "judge_failures": len(trajectories) - len(judged),
         "seconds": time.time() - t0, **taxonomy_metrics(trajectories),

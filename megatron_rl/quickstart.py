@@ -147,6 +147,28 @@ def _eval_args(out: Path, b: Budget, agent: str = "itersynth") -> list[str]:
             *(["--limit", str(b.eval_questions)] if b.eval_questions else [])]
 
 
+# Held-out pass@1 also sampled as RL samples (its recipe's temperature), 2 episodes a question,
+# no restart. Greedy, a policy whose note does not change repeats its search until the turn
+# budget (the SFT checkpoint: 44 of 69 episodes); sampled, the same policy shows what it can
+# do. 16 episodes at a time: the engine's decode steps cost about the same at 8 rows and 16.
+RL_RECIPE = "tiny-moe-rdpo-cpu"
+SAMPLED_EVAL = ("--samples", "2", "--retries", "0", "--concurrency", "16")
+
+
+def rl_temperature() -> float:
+    return float(read_yaml(resolve_recipe(RL_RECIPE))["rl"]["temperature"])
+
+
+def sampled(stage: Stage, out: Path) -> Stage:
+    """A greedy eval stage again, sampled (`SAMPLED_EVAL`), into `eval/<label>-sampled`."""
+    argv = list(stage.argv)
+    argv[argv.index("--temperature") + 1] = str(rl_temperature())
+    folder = Path(argv[argv.index("--out") + 1])
+    argv[argv.index("--out") + 1] = str(folder.with_name(f"{folder.name}-sampled"))
+    return Stage(f"{stage.name}-sampled", [*argv, *SAMPLED_EVAL],
+                 folder.with_name(f"{folder.name}-sampled") / "summary.json")
+
+
 def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
     """The main path: the IterSynth agent from world to held-out evaluation."""
     w, q, t = out / "world", out / "questions", out / "teacher"
@@ -192,7 +214,7 @@ def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
                            "checkpoint.save_every=0", "checkpoint.export_hf=false"],
               out / "pretrain/checkpoints"),
         _sft_stage(out, "sft", out / "sft", ("itersynth", "one-hop"), seed, b),
-        Stage("rl", ["train", "tiny-moe-rdpo-cpu", f"model.hf_path={model}",
+        Stage("rl", ["train", RL_RECIPE, f"model.hf_path={model}",
                      f"checkpoint.init_from={out / 'sft/checkpoints'}",
                      f"data.train_files=[{rl_questions}]",
                      f"data.val_files=[{held_out}]", "env.search.kind=local",
@@ -209,6 +231,7 @@ def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
         Stage("eval-rl", ["eval", "--model-dir", "{rl/hf}", *ev, "--out", str(out / "eval/rl")],
               out / "eval/rl/summary.json"),
     ]
+    out_list += [sampled(s, out) for s in out_list[-2:]]  # SFT's and RL's
     for name, folder in (("untrained", str(model)), ("sft", "{sft/hf}"), ("rl", "{rl/hf}")):
         out_list.append(Stage(f"steps-{name}", [
             "eval-steps", "--model-dir", folder, "--trajectories", str(t / "held_out.jsonl"),
@@ -236,7 +259,8 @@ ABLATION_ROWS = (("sft", "none (SFT, itersynth)"), ("rl", "rdpo (itersynth)"),
 
 def rl_variant(out: Path, main: list[Stage], name: str, overrides: list[str],
                agent: str = "itersynth") -> list[Stage]:
-    """The main RL stage again into `out/<name>` with `overrides`, and its held-out eval."""
+    """The main RL stage again into `out/<name>` with `overrides`, and its held-out evals
+    (greedy and sampled)."""
     rl = next(s for s in main if s.name == "rl")
     ev = next(s for s in main if s.name == "eval-rl")
     run = out / name
@@ -244,9 +268,10 @@ def rl_variant(out: Path, main: list[Stage], name: str, overrides: list[str],
                                                           for o in overrides})
     argv = [a for a in rl.argv if not a.startswith(replaced)]
     label = name.rsplit("/", 1)[-1]
+    greedy = _eval_stage(out, ev, label, f"{{{name}/hf}}", agent)
     return [Stage(f"rl-{label}", [*argv, *overrides, f"train.output_dir={run}",
                                   f"checkpoint.dir={run / 'checkpoints'}"], run / "hf"),
-            _eval_stage(out, ev, label, f"{{{name}/hf}}", agent)]
+            greedy, sampled(greedy, out)]
 
 
 def _eval_stage(out: Path, like: Stage, label: str, model_dir: str, agent: str) -> Stage:
@@ -275,8 +300,9 @@ def ablation_stages(out: Path, main: list[Stage], seed: int, b: Budget, rl_seeds
     itersynth: list[Stage] = []
     react = [*_teacher_stages(out, "react", "react", q / "train.parquet", 2),
              *_teacher_stages(out, "react-one-hop", "react", q / "one_hop/train.parquet", 1),
-             _sft_stage(out, "sft-react", out / REACT_SFT, ("react", "react-one-hop"), seed, b),
-             _eval_stage(out, ev, "sft_react", f"{{{REACT_SFT}/hf}}", "react")]
+             _sft_stage(out, "sft-react", out / REACT_SFT, ("react", "react-one-hop"), seed, b)]
+    react += [greedy := _eval_stage(out, ev, "sft_react", f"{{{REACT_SFT}/hf}}", "react"),
+              sampled(greedy, out)]
     seeds: list[list[Stage]] = [[] for _ in range(rl_seeds)]  # by seed: methods side by side
     for name, overrides in ABLATION.items():
         agent = "react" if "rl.agent=react" in overrides else "itersynth"
@@ -394,17 +420,18 @@ def _failure(row: dict[str, Any]) -> str | None:
 
 
 def _eval_row(out: Path, name: str) -> str:
-    """A table row: pass@1, tool calls per question, the largest context an episode built
-    (IterSynth's stays bounded by the summary; ReAct's grows with every observation) and how
-    the failures failed."""
+    """A table row: pass@1 greedy and sampled, tool calls per question, the largest context an
+    episode built (IterSynth's stays bounded by the summary; ReAct's grows with every
+    observation) and how the greedy episodes failed."""
     folder = out / f"eval/{name}"
     s = json.loads((folder / "summary.json").read_text())
     rows = [json.loads(x) for x in (folder / "trajectories.jsonl").read_text().splitlines()]
     peaks = [max((len(t.get("context_ids") or []) + len(t.get("output_ids") or [])
                   for t in row["turns"]), default=0) for row in rows]
     failed = [_failure(row) for row in rows]
-    return (f"| {name} | {s['pass@1']:.3f} | {s['questions']} | "
-            f"{s.get('tools/calls_mean', float('nan')):.2f} | "
+    drawn = _pass_at_1(out, f"{name}-sampled")
+    return (f"| {name} | {s['pass@1']:.3f} | {'-' if drawn is None else f'{drawn:.3f}'} | "
+            f"{s['questions']} | {s.get('tools/calls_mean', float('nan')):.2f} | "
             f"{sum(peaks) / max(len(peaks), 1):.0f} | "
             + " | ".join(str(failed.count(k)) for k in FAILURES) + " |")
 
@@ -428,16 +455,29 @@ def _steps_rows(out: Path) -> list[str]:
     return rows
 
 
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values) if values else float("nan")
+    return mean, (sum((a - mean) ** 2 for a in values) / max(len(values) - 1, 1)) ** 0.5
+
+
 def _seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
-    """RL's held-out pass@1 per seed, their mean and spread, and the gain over SFT."""
-    acc = [json.loads((out / f"eval/{n}/summary.json").read_text())["pass@1"]
-           for n in seed_runs(rl_seeds)]
-    sft = json.loads((out / "eval/sft/summary.json").read_text())["pass@1"]
-    mean = sum(acc) / len(acc)
-    std = (sum((a - mean) ** 2 for a in acc) / max(len(acc) - 1, 1)) ** 0.5
-    return ["| RL seed | pass@1 | minus SFT |", "|---|---|---|",
-            *[f"| {seed + k} | {a:.3f} | {a - sft:+.3f} |" for k, a in enumerate(acc)],
-            f"| mean ± std | {mean:.3f} ± {std:.3f} | {mean - sft:+.3f} |"]
+    """RL's held-out pass@1 per seed (greedy, then sampled where it ran), their mean and
+    spread, and the gain over SFT."""
+    runs = seed_runs(rl_seeds)
+    rows = ["| RL seed | pass@1 | minus SFT | pass@1 sampled | minus SFT |",
+            "|---|---|---|---|---|"]
+    cells = []
+    for suffix in ("", "-sampled"):
+        acc = [_pass_at_1(out, f"{n}{suffix}") for n in runs]
+        sft = _pass_at_1(out, f"sft{suffix}")
+        have = [a for a in acc if a is not None]
+        mean, std = _mean_std(have)
+        cells.append([("-", "-") if a is None or sft is None else (f"{a:.3f}", f"{a - sft:+.3f}")
+                      for a in acc] + [("-", "-") if not have or sft is None else
+                                       (f"{mean:.3f} ± {std:.3f}", f"{mean - sft:+.3f}")])
+    names = [str(seed + k) for k in range(len(runs))] + ["mean ± std"]
+    return rows + [f"| {n} | {g[0]} | {g[1]} | {d[0]} | {d[1]} |"
+                   for n, g, d in zip(names, *cells, strict=True)]
 
 
 def _pass_at_1(out: Path, run: str) -> float | None:
@@ -454,17 +494,18 @@ def _rl_methods(rl_seeds: int) -> list[tuple[str, list[str]]]:
 
 
 def _ablation_seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
-    """Each RL method's held-out pass@1 at every seed it has run, their mean ± std."""
+    """Each RL method's held-out pass@1 at every seed it has run, their mean ± std; then the
+    same mean of its sampled evals."""
     rows = ["| RL method | " + " | ".join(f"seed {seed + k}" for k in range(rl_seeds))
-            + " | mean ± std |", "|---|" + "---|" * (rl_seeds + 1)]
+            + " | mean ± std | sampled: mean ± std |", "|---|" + "---|" * (rl_seeds + 2)]
     for label, runs in _rl_methods(rl_seeds):
         acc = [_pass_at_1(out, r) for r in runs]
         have = [a for a in acc if a is not None]
-        mean = sum(have) / len(have) if have else float("nan")
-        std = (sum((a - mean) ** 2 for a in have) / max(len(have) - 1, 1)) ** 0.5
+        drawn = [a for r in runs if (a := _pass_at_1(out, f"{r}-sampled")) is not None]
+        means = ["{:.3f} ± {:.3f} ({})".format(*_mean_std(v), len(v)) if v else ""
+                 for v in (have, drawn)]
         rows.append(f"| {label} | " + " | ".join("not run" if a is None else f"{a:.3f}"
-                                                  for a in acc)
-                    + (f" | {mean:.3f} ± {std:.3f} ({len(have)}) |" if have else " | |"))
+                                                  for a in acc) + f" | {means[0]} | {means[1]} |")
     return rows
 
 
@@ -516,14 +557,14 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int =
     if rl_seeds > 1:
         rows += ["", f"## RL over {rl_seeds} seeds (same SFT start)", "",
                  *_seed_rows(out, seed, rl_seeds)]
-    head = ["| model | pass@1 | questions | tool calls / question | context tokens / episode | "
-            "answered after ≤ 1 search | wrong after 2+ | no answer |",
-            "|---|---|---|---|---|---|---|---|"]
+    head = [f"| model | pass@1 | pass@1 sampled (T {rl_temperature()}, 2 a question) | "
+            "questions | tool calls / question | context tokens / episode | answered after ≤ 1 "
+            "search | wrong after 2+ | no answer |", "|---|---|---|---|---|---|---|---|---|"]
     if ablation:
         rows += ["", "## Ablation (same budget and seed; ReAct from its own SFT)", "", *head,
                  *[_eval_row(out, name).replace(f"| {name} |", f"| {label} |")
                    if (out / f"eval/{name}/summary.json").is_file()
-                   else f"| {label} | not run | | | | | | |"
+                   else f"| {label} | not run | | | | | | | |"
                    for name, label in ABLATION_ROWS]]
         if rl_seeds > 1:
             rows += ["", f"### Ablation over {rl_seeds} seeds (held-out pass@1)", "",
@@ -537,7 +578,9 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int =
         f"Total time {sum(v['seconds'] for v in state.values()) / 60:.1f} min"
         + (f" ({sum(v['seconds'] for k, v in state.items() if k in extra) / 60:.1f} of them "
            "the extra RL runs)." if extra else "."), "",
-        "## Held-out accuracy (pass@1, greedy, IterSynth agent)", "",
+        "## Held-out accuracy (pass@1, IterSynth agent)", "",
+        "Greedy, and sampled as RL samples (no restart); the failure columns count the greedy "
+        "episodes.", "",
         *head, *rows, "",
         "## Held-out steps (oracle contexts, teacher forcing)", "",
         "Share of steps the model writes exactly as the oracle, greedy from the oracle's "

@@ -102,6 +102,57 @@ def test_itersynth_eval_over_a_chat_endpoint(world, tmp_path):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["pass@1"] == 0.75
 
 
+class FlipFlopChatModel(ScriptedChatModel):
+    """Answers `flip` wrong on its first attempt and right on the next, alternately."""
+
+    def __init__(self, answers: dict[str, str], flip: str):
+        super().__init__(answers, wrong=set())
+        self.flip, self.tries = flip, 0
+
+    def reply(self, messages: list[dict[str, str]]) -> str:
+        text = super().reply(messages)
+        if "<answer>" in text and f"Question: {self.flip}" in messages[-1]["content"]:
+            self.tries += 1
+            if self.tries % 2:
+                return "<answer>nobody knows</answer>"
+        return text
+
+
+def test_several_samples_per_question_give_pass_at_1_and_pass_at_k(world, tmp_path):
+    """--samples 2: every question twice, under request ids that follow from the question and
+    the sample alone (so a sampled eval's seeds repeat); pass@1 is the mean over the episodes,
+    pass@2 the share of questions any episode solved."""
+    index, questions, path = world
+    model = FlipFlopChatModel({q.question: q.answer for q in questions}, questions[0].question)
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", model.handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await run_eval(EvalConfig(
+                questions=str(path), model_url=f"http://127.0.0.1:{port}/v1",
+                index=str(index), out=str(tmp_path / "out"), concurrency=3, samples=2,
+                temperature=0.5, retries=0), progress=False)
+        finally:
+            await runner.cleanup()
+
+    summary = asyncio.run(scenario())
+    assert summary["questions"] == 4 and summary["samples"] == 2 and model.tries == 2
+    assert summary["pass@1"] == pytest.approx(7 / 8) and summary["pass@2"] == 1.0
+    rows = [json.loads(x) for x in (tmp_path / "out" / "trajectories.jsonl").read_text()
+            .splitlines()]
+    assert sorted(r["uid"] for r in rows) == [f"q{i}.s{k}" for i in range(4) for k in (0, 1)]
+    assert {r["group_id"] for r in rows} == {f"q{i}" for i in range(4)}
+    with pytest.raises(ValueError, match="--samples: 0"):
+        asyncio.run(run_eval(EvalConfig(questions=str(path), model_url="http://127.0.0.1:9/v1",
+                                        index=str(index), samples=0), progress=False))
+
+
 def test_bad_question_files_name_the_problem(tmp_path):
     bad = tmp_path / "q.jsonl"
     bad.write_text('{"question": "x"}\n')

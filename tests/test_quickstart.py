@@ -144,8 +144,9 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     assert list(state) == ["world", "questions", "questions-one-hop", "tokenizer", "model",
                            "teacher-itersynth", "filter-itersynth", "teacher-one-hop",
                            "filter-one-hop", "teacher-held-out", "pretrain", "sft", "rl",
-                           "eval-untrained", "eval-sft", "eval-rl", "steps-untrained",
-                           "steps-sft", "steps-rl", "rl-seed1", "eval-seed1"]
+                           "eval-untrained", "eval-sft", "eval-rl", "eval-sft-sampled",
+                           "eval-rl-sampled", "steps-untrained", "steps-sft", "steps-rl",
+                           "rl-seed1", "eval-seed1", "eval-seed1-sampled"]
     assert "train.seed=1" in state["rl-seed1"]["argv"]
     assert "train.seed=0" not in state["rl-seed1"]["argv"]
     for path in ("world/index", "questions/held_out.parquet", "tokenizer/tokenizer.json",
@@ -169,14 +170,22 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
     assert json.loads((out / "teacher/filter-one-hop.json").read_text())["kept"] > 0
     assert json.loads((out / "model/config.json").read_text())["tie_word_embeddings"] is True
     text = (out / "report.md").read_text()
-    table = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \| (\d+) \|", text, re.M)
-    assert [t[0] for t in table] == ["untrained", "sft", "rl"]
-    assert all(0.0 <= float(acc) <= 1.0 and int(n) == 4 for _, acc, n in table)
-    spread = re.search(r"^\| mean ± std \| ([0-9.]+) ± ([0-9.]+) \| ([+-][0-9.]+) \|$", text,
+    table = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \| ([0-9.]+|-) \| (\d+) \|", text,
                        re.M)
-    acc = [float(a) for a in re.findall(r"^\| [01] \| ([0-9.]+) \| [+-][0-9.]+ \|$", text,
-                                        re.M)]
-    assert spread and len(acc) == 2 and abs(float(spread[1]) - sum(acc) / 2) < 1e-3, text
+    assert [t[0] for t in table] == ["untrained", "sft", "rl"] and table[0][2] == "-"
+    assert all(0.0 <= float(acc) <= 1.0 and int(n) == 4 for _, acc, _, n in table)
+    # the sampled evals: 2 episodes per question at RL's temperature, pass@1 their mean
+    drawn = json.loads((out / "eval/sft-sampled/summary.json").read_text())
+    assert drawn["samples"] == 2 and drawn["temperature"] == q.rl_temperature() == 0.4
+    assert f"{drawn['pass@1']:.3f}" == table[1][2]
+    assert len((out / "eval/rl-sampled/trajectories.jsonl").read_text().splitlines()) == 8
+    spread = re.search(r"^\| mean ± std \| ([0-9.]+) ± ([0-9.]+) \| ([+-][0-9.]+) \| "
+                       r"([0-9.]+) ± ([0-9.]+) \| ([+-][0-9.]+) \|$", text, re.M)
+    acc = re.findall(r"^\| [01] \| ([0-9.]+) \| [+-][0-9.]+ \| ([0-9.]+) \| [+-][0-9.]+ \|$",
+                     text, re.M)
+    assert spread and len(acc) == 2, text
+    for col in (0, 1):  # greedy, sampled
+        assert abs(float(spread[1 + 3 * col]) - sum(float(a[col]) for a in acc) / 2) < 1e-3
     steps = json.loads((out / "eval/steps-sft.json").read_text())
     assert steps["episodes"] == 2 and steps["steps"]["planner:search"]["turns"] >= 2
     cells = re.findall(r"^\| (untrained|sft|rl) \| ([0-9.]+) \(([0-9.]+), names ([0-9.]+)\) \|",
@@ -319,19 +328,38 @@ def test_the_ablation_runs_every_method_at_every_seed_after_all_of_them_at_the_f
     ev = by_name["eval-react_grpo-seed2"].argv
     assert ev[ev.index("--agent") + 1] == "react" and ev[ev.index("--out") + 1].endswith(
         "eval/react_grpo-seed2")
+    # each RL run and each SFT is evaluated greedy and sampled, the same command otherwise
+    drawn = by_name["eval-react_grpo-seed2-sampled"].argv
+    assert drawn[drawn.index("--out") + 1].endswith("eval/react_grpo-seed2-sampled")
+    expect = list(ev)
+    assert expect[expect.index("--temperature") + 1] == "0"
+    expect[expect.index("--temperature") + 1] = "0.4"
+    expect[expect.index("--out") + 1] += "-sampled"
+    assert drawn == [*expect, "--samples", "2", "--retries", "0", "--concurrency", "16"]
+    assert {n for n in names if n.endswith("-sampled")} == {
+        f"{e}-sampled" for e in names if e.startswith("eval-") and not e.endswith("-sampled")}
 
 
 def test_the_report_gives_each_method_over_the_seeds_it_ran(tmp_path):
     for run, acc in (("rl", 0.29), ("seed1", 0.23), ("seed2", 0.25), ("grpo", 0.12),
-                     ("grpo-seed1", 0.2), ("rdpo_mixed", 0.3)):
+                     ("grpo-seed1", 0.2), ("rdpo_mixed", 0.3), ("rl-sampled", 0.31),
+                     ("seed2-sampled", 0.35)):
         (tmp_path / f"eval/{run}").mkdir(parents=True)
         (tmp_path / f"eval/{run}/summary.json").write_text(json.dumps({"pass@1": acc}))
     rows = q._ablation_seed_rows(tmp_path, 0, 3)
-    assert rows[0] == "| RL method | seed 0 | seed 1 | seed 2 | mean ± std |"
-    assert rows[2] == "| rdpo (itersynth) | 0.290 | 0.230 | 0.250 | 0.257 ± 0.031 (3) |"
-    assert rows[3] == "| grpo (itersynth) | 0.120 | 0.200 | not run | 0.160 ± 0.057 (2) |"
-    assert rows[4] == "| rdpo_mixed (itersynth) | 0.300 | not run | not run | 0.300 ± 0.000 (1) |"
-    assert rows[5] == "| grpo (react) | not run | not run | not run | |"
+    assert rows[0] == ("| RL method | seed 0 | seed 1 | seed 2 | mean ± std | sampled: mean ± "
+                       "std |")
+    assert rows[2] == ("| rdpo (itersynth) | 0.290 | 0.230 | 0.250 | 0.257 ± 0.031 (3) | "
+                       "0.330 ± 0.028 (2) |")
+    assert rows[3] == "| grpo (itersynth) | 0.120 | 0.200 | not run | 0.160 ± 0.057 (2) |  |"
+    assert rows[4] == ("| rdpo_mixed (itersynth) | 0.300 | not run | not run | 0.300 ± 0.000 "
+                       "(1) |  |")
+    assert rows[5] == "| grpo (react) | not run | not run | not run |  |  |"
+    (tmp_path / "eval/sft").mkdir()
+    (tmp_path / "eval/sft/summary.json").write_text(json.dumps({"pass@1": 0.03}))
+    seeds = q._seed_rows(tmp_path, 0, 3)
+    assert seeds[2] == "| 0 | 0.290 | +0.260 | - | - |"  # no sampled SFT eval to subtract
+    assert seeds[-1] == "| mean ± std | 0.257 ± 0.031 | +0.227 | - | - |"
 
 
 def test_the_report_pictures_every_model_and_method_with_a_dot_per_seed(tmp_path):
