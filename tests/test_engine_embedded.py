@@ -742,6 +742,40 @@ def test_a_norm_of_another_formula_is_not_fused() -> None:
     assert embedded_core.fuse_rms_norms(model) == 0  # once is enough
 
 
+def test_decode_steps_run_the_layers_directly_only_where_that_is_exactly_the_model() -> None:
+    """Attention-only models decode through their own modules in order, skipping the forward
+    wrappers, and still write exactly `generate`'s tokens (padded rows joining and leaving);
+    a model whose lean path differs by a rounding is left on its own forward, as is the
+    hybrid (its recurrent layers want the padding mask)."""
+    model = hf_model("tiny-moe")
+    core = EmbeddedCore(model, max_batch_size=4)
+    assert core.decode_step is not None
+    calls = []
+    lean = core.decode_step
+    core.decode_step = lambda *a, **k: calls.append(a[0].shape[0]) or lean(*a, **k)
+    prompts = mixed_prompts(6, 2, 40, seed=5)
+    seqs = [core_seq(f"l{i}", p, 5 + i) for i, p in enumerate(prompts)]
+    with torch.no_grad():
+        core.pending.extend(seqs)
+        while core.batch or core.pending:
+            step(core)
+    assert [s.future.result(timeout=0)["output_ids"] for s in seqs] == [
+        hf_greedy(model, p, 5 + i) for i, p in enumerate(prompts)]
+    assert len(calls) >= 9 and max(calls) == 4  # every decode step, up to the full batch
+    assert EmbeddedCore(hf_model("tiny-qwen3.5")).decode_step is None
+
+    class SkewedHead(torch.nn.Linear):  # differs from the model's path on 2-D input only
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + (1e-6 if x.dim() == 2 else 0.0)
+
+    odd = hf_model("tiny-moe")
+    head = SkewedHead(odd.lm_head.in_features, odd.lm_head.out_features, bias=False)
+    head.weight = odd.lm_head.weight
+    odd.lm_head = head
+    assert embedded_core.lean_decode(odd) is None
+    assert EmbeddedCore(odd).decode_step is None
+
+
 def test_the_engine_decodes_on_its_own_thread_count(model) -> None:
     """`threads` applies to the generation loop only (OpenMP's count is per thread): the
     caller's threads keep theirs."""
