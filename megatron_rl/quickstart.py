@@ -152,7 +152,8 @@ def _eval_args(out: Path, b: Budget, agent: str = "itersynth") -> list[str]:
 # Held-out pass@1 also sampled as RL samples (its recipe's temperature), 2 episodes a question,
 # no restart. Greedy, a policy whose note does not change repeats its search until the turn
 # budget (the SFT checkpoint: 44 of 69 episodes); sampled, the same policy shows what it can
-# do. 16 episodes at a time: the engine's decode steps cost about the same at 8 rows and 16.
+# do. 16 episodes at a time (the greedy evals: 8): the quickstart policy's decode step costs
+# ~1.5x at 16 rows what it does at 8 (docs/engines.md).
 RL_RECIPE = "tiny-moe-rdpo-cpu"
 SAMPLED_EVAL = ("--samples", "2", "--retries", "0", "--concurrency", "16")
 

@@ -48,6 +48,22 @@ class ScriptedChatModel:
                                                            "content": text}}]})
 
 
+async def eval_against(model: ScriptedChatModel, **cfg) -> dict:
+    """`run_eval` over `model` served as a local OpenAI-compatible chat endpoint."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", model.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        return await run_eval(EvalConfig(model_url=f"http://127.0.0.1:{port}/v1", **cfg),
+                              progress=False)
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
@@ -72,22 +88,8 @@ def test_itersynth_eval_over_a_chat_endpoint(world, tmp_path):
     model = ScriptedChatModel({q.question: q.answer for q in questions},
                               wrong={questions[0].question})
 
-    async def scenario():
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", model.handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            return await run_eval(EvalConfig(
-                questions=str(path), model_url=f"http://127.0.0.1:{port}/v1",
-                index=str(index), out=str(tmp_path / "out"), concurrency=2), progress=False)
-        finally:
-            await runner.cleanup()
-
-    summary = asyncio.run(scenario())
+    summary = asyncio.run(eval_against(model, questions=str(path), index=str(index),
+                                       out=str(tmp_path / "out"), concurrency=2))
     assert summary["questions"] == 4
     assert summary["pass@1"] == pytest.approx(3 / 4)  # one answered wrong on purpose
     assert summary["engine_failures"] == 0 and summary["judge_failures"] == 0
@@ -125,23 +127,9 @@ def test_several_samples_per_question_give_pass_at_1_and_pass_at_k(world, tmp_pa
     index, questions, path = world
     model = FlipFlopChatModel({q.question: q.answer for q in questions}, questions[0].question)
 
-    async def scenario():
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", model.handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            return await run_eval(EvalConfig(
-                questions=str(path), model_url=f"http://127.0.0.1:{port}/v1",
-                index=str(index), out=str(tmp_path / "out"), concurrency=3, samples=2,
-                temperature=0.5, retries=0), progress=False)
-        finally:
-            await runner.cleanup()
-
-    summary = asyncio.run(scenario())
+    summary = asyncio.run(eval_against(model, questions=str(path), index=str(index),
+                                       out=str(tmp_path / "out"), concurrency=3, samples=2,
+                                       temperature=0.5, retries=0))
     assert summary["questions"] == 4 and summary["samples"] == 2 and model.tries == 2
     assert summary["pass@1"] == pytest.approx(7 / 8) and summary["pass@2"] == 1.0
     rows = [json.loads(x) for x in (tmp_path / "out" / "trajectories.jsonl").read_text()
