@@ -51,7 +51,8 @@ class Budget:
     # teacher-forced steps alike from 450 on (searches, visits, answers 100 %, notes 39-50 %
     # exact): the policy has learnt to copy but 42 of 69 episodes at 550 still search until
     # the turn budget, which RL learns to stop (from 650, where SFT already stops: 0.36 ->
-    # 0.39). A fresh clone, 24 RL steps at T 0.4, 3 seeds: 0.029 -> 0.251 ± 0.042 (2026-12-05;
+    # 0.39). Two fresh clones, 24 RL steps at T 0.4, 3 seeds each: 0.029 -> 0.251 ± 0.042 and
+    # 0.237 ± 0.044 greedy, 0.152 -> 0.309 ± 0.011 and 0.300 ± 0.041 sampled (2026-12-05;
     # 0.087 -> 0.256 ± 0.030 from the checkpoint before per-sequence attention).
     # docs/algorithms.md, "SFT stopped before its schedule ends", "Sampling where the eval
     # decodes"
