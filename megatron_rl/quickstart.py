@@ -17,6 +17,7 @@ budget to an end-to-end check of a couple of minutes (what `make test` runs).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -159,7 +160,9 @@ RL_RECIPE = "tiny-moe-rdpo-cpu"
 SAMPLED_EVAL = ("--samples", "2", "--retries", "0", "--concurrency", "16")
 
 
+@functools.cache
 def rl_temperature() -> float:
+    """The RL recipe's sampling temperature (read once: every sampled stage asks)."""
     return float(read_yaml(resolve_recipe(RL_RECIPE))["rl"]["temperature"])
 
 
@@ -167,10 +170,10 @@ def sampled(stage: Stage, out: Path) -> Stage:
     """A greedy eval stage again, sampled (`SAMPLED_EVAL`), into `eval/<label>-sampled`."""
     argv = list(stage.argv)
     argv[argv.index("--temperature") + 1] = str(rl_temperature())
-    folder = Path(argv[argv.index("--out") + 1])
-    argv[argv.index("--out") + 1] = str(folder.with_name(f"{folder.name}-sampled"))
-    return Stage(f"{stage.name}-sampled", [*argv, *SAMPLED_EVAL],
-                 folder.with_name(f"{folder.name}-sampled") / "summary.json")
+    at = argv.index("--out") + 1
+    folder = Path(argv[at]).with_name(f"{Path(argv[at]).name}-sampled")
+    argv[at] = str(folder)
+    return Stage(f"{stage.name}-sampled", [*argv, *SAMPLED_EVAL], folder / "summary.json")
 
 
 def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
@@ -468,20 +471,23 @@ def _seed_rows(out: Path, seed: int, rl_seeds: int) -> list[str]:
     """RL's held-out pass@1 per seed (greedy, then sampled where it ran), their mean and
     spread, and the gain over SFT."""
     runs = seed_runs(rl_seeds)
-    rows = ["| RL seed | pass@1 | minus SFT | pass@1 sampled | minus SFT |",
-            "|---|---|---|---|---|"]
-    cells = []
-    for suffix in ("", "-sampled"):
-        acc = [_pass_at_1(out, f"{n}{suffix}") for n in runs]
+
+    def column(suffix: str) -> list[tuple[str, str]]:
+        """(pass@1, minus SFT) per seed, then for their mean ± std; "-" where one is missing."""
         sft = _pass_at_1(out, f"sft{suffix}")
+        acc = [_pass_at_1(out, f"{n}{suffix}") for n in runs]
         have = [a for a in acc if a is not None]
         mean, std = _mean_std(have)
-        cells.append([("-", "-") if a is None or sft is None else (f"{a:.3f}", f"{a - sft:+.3f}")
-                      for a in acc] + [("-", "-") if not have or sft is None else
-                                       (f"{mean:.3f} ± {std:.3f}", f"{mean - sft:+.3f}")])
+        cells = [(a, f"{a:.3f}" if a is not None else "") for a in acc]
+        cells.append((mean if have else None, f"{mean:.3f} ± {std:.3f}"))
+        return [("-", "-") if v is None or sft is None else (text, f"{v - sft:+.3f}")
+                for v, text in cells]
+
     names = [str(seed + k) for k in range(len(runs))] + ["mean ± std"]
-    return rows + [f"| {n} | {g[0]} | {g[1]} | {d[0]} | {d[1]} |"
-                   for n, g, d in zip(names, *cells, strict=True)]
+    return ["| RL seed | pass@1 | minus SFT | pass@1 sampled | minus SFT |",
+            "|---|---|---|---|---|"] + [
+        f"| {n} | {g[0]} | {g[1]} | {d[0]} | {d[1]} |"
+        for n, g, d in zip(names, column(""), column("-sampled"), strict=True)]
 
 
 def _pass_at_1(out: Path, run: str) -> float | None:

@@ -560,7 +560,7 @@ class EmbeddedCore:
             # slab) are only read outside it: merge and retire copy them
             with torch.inference_mode(self.inference_mode):
                 if self.decode_step is not None and mask is None and ids.shape[1] == 1:
-                    last, cache = self.decode_step(ids, pos, cache, **extra), cache
+                    last = self.decode_step(ids, pos, cache, **extra)  # writes cache
                 else:
                     out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                      past_key_values=cache, use_cache=True, logits_to_keep=1,
