@@ -369,8 +369,9 @@ def _launch(fn, nproc: int, *args, backend: str = "auto") -> list:
         return pool.run(fn, *args, timeout=24 * 3600)
 
 
-def _main_in_process(argv: list[str]) -> int:
-    """`megatron-rl ARGV` in this process, with the exit code a separate process would give."""
+def _main_in_process(argv: list[str], _stage: str = "") -> int:
+    """`megatron-rl ARGV` in this process, with the exit code a separate process would give (a
+    quickstart stage that takes every core: torch and transformers are imported once)."""
     import traceback
 
     try:

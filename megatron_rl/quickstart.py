@@ -9,23 +9,29 @@ evaluation of the untrained, SFT and RL models → `report.md`, curves and the t
 `--rl-seeds N` repeats the RL stage at N seeds from the same SFT checkpoint.
 
 Every stage leaves an artifact and a line (its command, and for `train` / `sft` a digest of
-its recipe with the overrides) in `<out>/stages.json`; a re-run skips the stages already done
-with the same command. A stage whose command or recipe changed (another budget), or whose
-artifact is gone, runs again, and so does every stage after it. `--smoke` shrinks every
-budget to an end-to-end check of a couple of minutes (what `make test` runs).
+its recipe with the overrides; its start and end) in `<out>/stages.json`; a re-run skips the
+stages already done with the same command. A stage whose command or recipe changed (another
+budget), or whose artifact is gone, runs again, and so does every stage that reads it. Stages
+that read nothing of each other run side by side while the machine has cores for them (the
+data stages; the evals beside RL's rollouts, which keep one core busy). `--smoke` shrinks
+every budget to an end-to-end check of a couple of minutes (what `make test` runs).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,21 +111,24 @@ class Stage:
     name: str
     argv: list[str]                       # a `megatron-rl` command line
     artifact: Path                        # it exists once the stage is done
+    after: tuple[str, ...] | None = None  # the stages whose output it reads; None: all before it
+    cores: int = 2                        # the cores it keeps busy (stages share the machine's)
 
 
-def _teacher_stages(out: Path, name: str, agent: str, questions: Path, min_depth: int
-                    ) -> list[Stage]:
-    """Oracle demonstrations of `agent` on `questions` through the real tools, then the filters:
-    `<out>/teacher/<name>.kept.jsonl`."""
+def _teacher_stages(out: Path, name: str, agent: str, questions: Path, min_depth: int,
+                    source: str) -> list[Stage]:
+    """Oracle demonstrations of `agent` on `questions` (the stage `source` wrote them) through
+    the real tools, then the filters: `<out>/teacher/<name>.kept.jsonl`."""
     t, index, tok = out / "teacher", out / "world/index", out / "tokenizer"
     return [Stage(f"teacher-{name}", [
                 "data", "teacher", "--agent", agent, "--questions", str(questions),
                 "--index", str(index), "--tokenizer", str(tok), *AGENT_ARGS,
-                "--out", str(t / f"{name}.jsonl")], t / f"{name}.jsonl"),
+                "--out", str(t / f"{name}.jsonl")], t / f"{name}.jsonl",
+                after=("world", "tokenizer", source)),
             Stage(f"filter-{name}", [
                 "data", "filter", str(t / f"{name}.jsonl"), str(t / f"{name}.kept.jsonl"),
                 "--min-depth", str(min_depth), "--report", str(t / f"filter-{name}.json")],
-                t / f"{name}.kept.jsonl")]
+                t / f"{name}.kept.jsonl", after=(f"teacher-{name}",))]
 
 
 def _sft_stage(out: Path, name: str, run: Path, demos: tuple[str, str], seed: int,
@@ -141,7 +150,8 @@ def _sft_stage(out: Path, name: str, run: Path, demos: tuple[str, str], seed: in
         "train.global_batch_size=16", *SFT_OPTIM, f"sft.copy_loss_weight={SFT_COPY_WEIGHT}",
         "train.max_tokens_per_microbatch=4096", f"train.seed={seed}",
         f"train.output_dir={run}", f"checkpoint.dir={run / 'checkpoints'}",
-        "checkpoint.save_every=0", "checkpoint.export_hf=true"], run / "hf")
+        "checkpoint.save_every=0", "checkpoint.export_hf=true"], run / "hf",
+        after=("model", "pretrain", "teacher-held-out", *(f"filter-{d}" for d in demos)))
 
 
 def _eval_args(out: Path, b: Budget, agent: str = "itersynth") -> list[str]:
@@ -173,7 +183,8 @@ def sampled(stage: Stage, out: Path) -> Stage:
     at = argv.index("--out") + 1
     folder = Path(argv[at]).with_name(f"{Path(argv[at]).name}-sampled")
     argv[at] = str(folder)
-    return Stage(f"{stage.name}-sampled", [*argv, *SAMPLED_EVAL], folder / "summary.json")
+    return Stage(f"{stage.name}-sampled", [*argv, *SAMPLED_EVAL], folder / "summary.json",
+                 stage.after, stage.cores)
 
 
 def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
@@ -183,33 +194,39 @@ def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
     held_out, rl_questions = q / "held_out.parquet", q / "rl.parquet"
     ev = _eval_args(out, b)
     one_hop = q / "one_hop"
+    models = (("untrained", str(model), "model"), ("sft", "{sft/hf}", "sft"),
+              ("rl", "{rl/hf}", "rl"))  # what is evaluated: name, HF folder, the stage that made it
     out_list = [
         Stage("world", ["data", "world", "--pages", str(b.pages), "--seed", str(seed),
                         "--out", str(w / "corpus.parquet"), "--index", str(index)],
-              index),
+              index, after=()),
         Stage("questions", ["data", "synthesize", "--pages", str(b.pages), "--seed", str(seed),
                             "--questions", str(b.questions), "--max-seeds", str(b.pages),
                             "--min-hops", "2", "--max-hops", "2", "--anchor", "named",
                             "--unique-steps", "--held-out-fraction", str(b.held_out_fraction),
-                            "--split", f"rl={b.rl_fraction}", "--out", str(q)], rl_questions),
+                            "--split", f"rl={b.rl_fraction}", "--out", str(q)], rl_questions,
+              after=()),  # it builds the same world from the seed
         Stage("questions-one-hop", [
             "data", "synthesize", "--pages", str(b.pages), "--seed", str(seed),
             "--questions", str(b.one_hop_questions), "--max-seeds", str(4 * b.pages),
             "--min-hops", "1", "--max-hops", "1", "--anchor", "named", "--unique-steps",
             "--held-out-fraction", "0", "--avoid", str(held_out), "--avoid", str(rl_questions),
             "--out", str(one_hop)],
-            one_hop / "train.parquet"),
+            one_hop / "train.parquet", after=("questions",)),
         Stage("tokenizer", ["data", "tokenizer", "--corpus", str(w / "corpus.parquet"),
                             "--out", str(tok), "--vocab-size", str(b.vocab_size),
-                            "--title-tokens"], tok),
+                            "--title-tokens"], tok, after=("world",)),
         Stage("model", ["convert", "init-hf", "--model", MODEL, "--tokenizer", str(tok),
-                        "--out", str(model), "--seed", str(seed), *INIT], model),
-        *_teacher_stages(out, "itersynth", "itersynth", q / "train.parquet", 2),
-        *_teacher_stages(out, "one-hop", "itersynth", one_hop / "train.parquet", 1),
+                        "--out", str(model), "--seed", str(seed), *INIT], model,
+              after=("tokenizer",)),
+        *_teacher_stages(out, "itersynth", "itersynth", q / "train.parquet", 2, "questions"),
+        *_teacher_stages(out, "one-hop", "itersynth", one_hop / "train.parquet", 1,
+                         "questions-one-hop"),
         Stage("teacher-held-out", [
             "data", "teacher", "--agent", "itersynth", "--questions", str(held_out),
             "--index", str(index), "--tokenizer", str(tok), *AGENT_ARGS,
-            "--out", str(t / "held_out.jsonl")], t / "held_out.jsonl"),
+            "--out", str(t / "held_out.jsonl")], t / "held_out.jsonl",
+              after=("world", "questions", "tokenizer")),
         Stage("pretrain", ["sft", "tiny-moe-sft-cpu", f"model.hf_path={model}",
                            f"model.seq_length={PRETRAIN_SEQ}", "sft.format=text",
                            f"sft.train_files=[{w / 'corpus.parquet'}]", *SFT_OPTIM,
@@ -219,7 +236,7 @@ def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
                            f"train.output_dir={out / 'pretrain'}",
                            f"checkpoint.dir={out / 'pretrain/checkpoints'}",
                            "checkpoint.save_every=0", "checkpoint.export_hf=false"],
-              out / "pretrain/checkpoints"),
+              out / "pretrain/checkpoints", after=("world", "model")),
         _sft_stage(out, "sft", out / "sft", ("itersynth", "one-hop"), seed, b),
         Stage("rl", ["train", RL_RECIPE, f"model.hf_path={model}",
                      f"checkpoint.init_from={out / 'sft/checkpoints'}",
@@ -229,21 +246,21 @@ def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
                      "env.visit.kind=local", "rl.tool_specs=false",
                      f"train.steps={b.rl_steps}", f"train.seed={seed}",
                      f"train.output_dir={out / 'rl'}", f"checkpoint.dir={out / 'rl/checkpoints'}",
-                     *b.extra_rl], out / "rl/hf"),
-        Stage("eval-untrained", ["eval", "--model-dir", str(model), *ev,
-                                 "--out", str(out / "eval/untrained")],
-              out / "eval/untrained/summary.json"),
-        Stage("eval-sft", ["eval", "--model-dir", "{sft/hf}", *ev, "--out",
-                           str(out / "eval/sft")], out / "eval/sft/summary.json"),
-        Stage("eval-rl", ["eval", "--model-dir", "{rl/hf}", *ev, "--out", str(out / "eval/rl")],
-              out / "eval/rl/summary.json"),
+                     *b.extra_rl], out / "rl/hf", after=("world", "questions", "model", "sft"),
+              cores=1),  # its rollouts, ~3/4 of its time, keep one core busy
+        # the evals decode on one core (`--engine-threads 1`): beside RL's rollouts and each
+        # other
+        *[Stage(f"eval-{name}", ["eval", "--model-dir", folder, *ev, "--out",
+                                 str(out / f"eval/{name}")], out / f"eval/{name}/summary.json",
+                after=("world", "questions", stage), cores=1)
+          for name, folder, stage in models],
     ]
     out_list += [sampled(s, out) for s in out_list[-2:]]  # SFT's and RL's
-    for name, folder in (("untrained", str(model)), ("sft", "{sft/hf}"), ("rl", "{rl/hf}")):
+    for name, folder, stage in models:
         out_list.append(Stage(f"steps-{name}", [
             "eval-steps", "--model-dir", folder, "--trajectories", str(t / "held_out.jsonl"),
             "--limit", str(b.step_episodes), "--out", str(out / f"eval/steps-{name}.json")],
-            out / f"eval/steps-{name}.json"))
+            out / f"eval/steps-{name}.json", after=("teacher-held-out", stage), cores=1))
     return out_list
 
 
@@ -305,8 +322,9 @@ def ablation_stages(out: Path, main: list[Stage], seed: int, b: Budget, rl_seeds
     q = out / "questions"
     ev = next(s for s in main if s.name == "eval-sft")
     itersynth: list[Stage] = []
-    react = [*_teacher_stages(out, "react", "react", q / "train.parquet", 2),
-             *_teacher_stages(out, "react-one-hop", "react", q / "one_hop/train.parquet", 1),
+    react = [*_teacher_stages(out, "react", "react", q / "train.parquet", 2, "questions"),
+             *_teacher_stages(out, "react-one-hop", "react", q / "one_hop/train.parquet", 1,
+                              "questions-one-hop"),
              _sft_stage(out, "sft-react", out / REACT_SFT, ("react", "react-one-hop"), seed, b)]
     react += [greedy := _eval_stage(out, ev, "sft_react", f"{{{REACT_SFT}/hf}}", "react"),
               sampled(greedy, out)]
@@ -349,7 +367,8 @@ def _resolve(argv: list[str], out: Path) -> list[str]:
             for a in argv]
 
 
-Runner = Callable[[list[str]], int]  # runs one `megatron-rl` command line → its exit code
+Runner = Callable[[list[str], str], int]  # runs a stage's `megatron-rl` command line (argv,
+                                          # its name) → its exit code
 RECIPE_COMMANDS = ("train", "sft")
 
 
@@ -362,39 +381,113 @@ def config_digest(argv: list[str]) -> str | None:
     return hashlib.sha256(json.dumps(merged, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def in_subprocess(argv: list[str]) -> int:
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", *argv]).returncode
+def _relay(stream: io.BufferedReader, name: str, every: float = 10.0) -> None:
+    """A child's output, each line labelled `[name]`; of a progress bar's `\\r` redraws, one
+    every `every` seconds."""
+    shown, pending = 0.0, b""
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        *parts, pending = re.split(rb"(?<=[\r\n])", pending + chunk)
+        for part in parts:
+            if part.endswith(b"\r") and time.monotonic() - shown < every:
+                continue
+            shown = time.monotonic() if part.endswith(b"\r") else shown
+            if text := part.decode(errors="replace").strip("\r\n"):
+                sys.stdout.write(f"[{name}] {text}\n")
+        sys.stdout.flush()
+    if pending:
+        print(f"[{name}] {pending.decode(errors='replace')}", flush=True)
 
 
-def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess) -> dict[str, Any]:
+def in_subprocess(argv: list[str], name: str) -> int:
+    """`megatron-rl argv` in a child process, its output labelled `[name]` (stages run side by
+    side)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", *argv], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as child:
+        assert child.stdout is not None
+        _relay(child.stdout, name)
+    return child.returncode
+
+
+def _needs(todo: list[Stage]) -> dict[str, set[str]]:
+    """Each stage's inputs: its `after`, or every stage before it."""
+    needs: dict[str, set[str]] = {}
+    for i, stage in enumerate(todo):
+        after = set(stage.after) if stage.after is not None else {s.name for s in todo[:i]}
+        if unknown := after - set(needs):
+            raise ValueError(f"stage {stage.name}: `after` names no earlier stage: "
+                             f"{sorted(unknown)}")
+        needs[stage.name] = after
+    return needs
+
+
+def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess,
+               beside: Runner = in_subprocess, cores: int | None = None) -> dict[str, Any]:
+    """Runs what is not done yet: a stage starts, in list order, once the stages it reads are
+    done and its cores are free (`cores`: this process's CPUs); a ready stage that waits for
+    cores holds back the stages listed after it, so the long path keeps its order. A stage
+    that takes every core goes through `run` (the CLI: in this process), one that leaves some
+    free through `beside` on a thread (a child process: they run side by side). A stage runs
+    again when its command, its recipe or its artifact changed, or when a stage it reads ran
+    again. After a failure no stage starts; the running ones finish (and are recorded)."""
     log = out / "stages.json"
     state: dict[str, Any] = json.loads(log.read_text()) if log.is_file() else {}
-    again = False  # once a stage runs again, every later one does: it may read its output
-    for i, stage in enumerate(todo, 1):
-        argv = _resolve(stage.argv, out)
-        digest = config_digest(argv)
-        done = state.get(stage.name)
-        if done and stage.artifact.exists() and not again:
-            # a record from before digests were kept ("config" absent) matches on argv alone
-            if done.get("argv") == argv and done.get("config", digest) == digest:
-                print(f"[quickstart] {i}/{len(todo)} {stage.name}: done "
-                      f"({done['seconds']:.0f}s, earlier run)", flush=True)
-                continue
-            print(f"[quickstart] {i}/{len(todo)} {stage.name}: its command or recipe changed "
-                  "since the earlier run; running it and the stages after it again", flush=True)
-        again = again or done is not None
-        if done is not None:
-            _remove_stale(stage.artifact, out)
-        print(f"[quickstart] {i}/{len(todo)} {stage.name}\n$ megatron-rl {' '.join(argv)}",
-              flush=True)
-        t0 = time.perf_counter()
-        rc = run(argv)
+    needs, number = _needs(todo), {s.name: i for i, s in enumerate(todo, 1)}
+    cores = cores or len(os.sched_getaffinity(0))
+    waiting, ran, failed = list(todo), set[str](), list[str]()
+    running: dict[Future[int], tuple[Stage, list[str], str | None, float]] = {}
+
+    def finish(stage: Stage, argv: list[str], digest: str | None, t0: float, rc: int) -> None:
+        nonlocal state
+        ran.add(stage.name)
         if rc != 0:
-            raise RuntimeError(f"stage {stage.name} failed (exit code {rc}); fix it and re-run "
-                               "to continue from this stage")
-        state[stage.name] = {"seconds": round(time.perf_counter() - t0, 1), "argv": argv,
-                             "config": digest}
+            print(f"[quickstart] stage {stage.name} failed (exit code {rc})", flush=True)
+            failed.append(stage.name)
+            return
+        end = time.time()  # the clock's: the report shows what ran side by side
+        state[stage.name] = {"seconds": round(end - t0, 1), "start": round(t0, 1),
+                             "end": round(end, 1), "argv": argv, "config": digest}
+        state = {**{n: state[n] for n in number if n in state}, **state}  # the list's order
         log.write_text(json.dumps(state, indent=1))
+
+    with ThreadPoolExecutor(max_workers=max(1, cores)) as pool:
+        while (waiting and not failed) or running:
+            busy = sum(min(s.cores, cores) for s, *_ in running.values())
+            unfinished = {s.name for s in waiting} | {s.name for s, *_ in running.values()}
+            for stage in [s for s in waiting if not needs[s.name] & unfinished]:
+                label = f"[quickstart] {number[stage.name]}/{len(todo)} {stage.name}"
+                argv = _resolve(stage.argv, out)
+                digest = config_digest(argv)
+                done = state.get(stage.name)
+                kept = done and stage.artifact.exists() and not needs[stage.name] & ran
+                # a record from before digests were kept ("config" absent) matches on argv alone
+                if kept and done["argv"] == argv and done.get("config", digest) == digest:
+                    print(f"{label}: done ({done['seconds']:.0f}s, earlier run)", flush=True)
+                    waiting.remove(stage)
+                    continue
+                share = min(stage.cores, cores)
+                if busy + share > cores or failed:
+                    break
+                if kept:
+                    print(f"{label}: its command or recipe changed since the earlier run; "
+                          "running it and the stages that read it again", flush=True)
+                if done is not None:
+                    _remove_stale(stage.artifact, out)
+                print(f"{label}\n$ megatron-rl {' '.join(argv)}", flush=True)
+                waiting.remove(stage)
+                if share == cores:  # nothing runs beside it
+                    finish(stage, argv, digest, time.time(), run(argv, stage.name))
+                    break
+                busy += share
+                running[pool.submit(beside, argv, stage.name)] = (stage, argv, digest,
+                                                                  time.time())
+            if running:
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    finish(*running.pop(future), future.result())
+    if failed:
+        raise RuntimeError(f"stage {', '.join(failed)} failed; fix it and re-run to continue "
+                           "from there")
     return state
 
 
@@ -557,6 +650,29 @@ def _mean_rate(rows: list[dict[str, Any]]) -> str:
     return f"{sum(rates) / max(len(rates), 1):.3f}"
 
 
+def wall_seconds(records: Iterable[dict[str, Any]]) -> float:
+    """The time `records` (stages.json's) took on the clock: stages that ran side by side
+    count once (a record without start and end, from before they were kept: its seconds)."""
+    spans, total = [], 0.0
+    for r in records:
+        if "start" in r:
+            spans.append((r["start"], r["end"]))
+        else:
+            total += r["seconds"]
+    reach = float("-inf")
+    for start, end in sorted(spans):
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
+
+
+def _stage_rows(state: dict[str, Any]) -> list[str]:
+    t0 = min((r["start"] for r in state.values() if "start" in r), default=0.0)
+    return [f"| {k} | {r['seconds']:.0f} | " + (f"{(r['start'] - t0) / 60:.1f} | "
+            f"{(r['end'] - t0) / 60:.1f} |" if "start" in r else "- | - |")
+            for k, r in state.items()]
+
+
 def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int = 0,
            rl_seeds: int = 1, extra: frozenset[str] = frozenset()) -> Path:
     """`report.md`: stage timings, held-out accuracy per model, SFT and RL numbers, pictures.
@@ -585,8 +701,8 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int =
     counts = json.loads((out / "questions/counts.json").read_text())
     lines = [
         "# megatron-rl quickstart report", "",
-        f"Total time {sum(v['seconds'] for v in state.values()) / 60:.1f} min"
-        + (f" ({sum(v['seconds'] for k, v in state.items() if k in extra) / 60:.1f} of them "
+        f"Total time {wall_seconds(state.values()) / 60:.1f} min"
+        + (f" ({wall_seconds(v for k, v in state.items() if k in extra) / 60:.1f} of them "
            "the extra RL runs)." if extra else "."), "",
         "## Held-out accuracy (pass@1, IterSynth agent)", "",
         "Greedy, and sampled as RL samples (no restart); the failure columns count the greedy "
@@ -603,8 +719,9 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int =
         f"- RL (RDPO): rollout pass rate {_mean_rate(rl[:4])} in steps 1-{min(4, len(rl))}, "
         f"{_mean_rate(rl[-4:])} in the last {min(4, len(rl))} of {len(rl)} (every group sampled, "
         "dropped ones too; one step's rate is noisy)", "",
-        "## Stages", "", "| stage | seconds |", "|---|---|",
-        *[f"| {k} | {v['seconds']:.0f} |" for k, v in state.items()], "",
+        "## Stages", "", "Stages that read nothing of each other run side by side while cores "
+        "are free (minutes from the first stage's start).", "",
+        "| stage | seconds | from | to |", "|---|---|---|---|", *_stage_rows(state), "",
         "## Pictures", "",
         *[f"![{k}]({p.relative_to(out)})" for k, p in pictures.items() if p.suffix == ".png"],
         "", "Trajectories: [report/trajectories.html](report/trajectories.html)", "",
@@ -617,8 +734,8 @@ def report(out: Path, state: dict[str, Any], ablation: bool = False, seed: int =
 def quickstart(out: Path, seed: int = 0, smoke: bool = False, ablation: bool = False,
                rl_seeds: int = 1, run: Runner = in_subprocess) -> Path:
     """`rl_seeds`: the RL stage (and its eval) at that many seeds, from the same SFT start.
-    `run`: how a stage's command runs (the CLI runs them in its own process: torch and
-    transformers are imported once, not once per stage)."""
+    `run`: how a stage that takes every core runs its command (the CLI: in its own process,
+    where torch and transformers are imported once); the others run in child processes."""
     if rl_seeds < 1:
         raise ValueError(f"rl_seeds={rl_seeds}: at least 1")
     out.mkdir(parents=True, exist_ok=True)
@@ -626,6 +743,8 @@ def quickstart(out: Path, seed: int = 0, smoke: bool = False, ablation: bool = F
     main = stages(out, seed, budget)
     extra = seed_stages(out, main, seed, rl_seeds) + (
         ablation_stages(out, main, seed, budget, rl_seeds) if ablation else [])
+    # the extra runs one after another once the main path is done: its time stays its own
+    extra = [replace(s, after=None, cores=2) for s in extra]
     state = run_stages(out, main + extra, run)
     path = report(out, state, ablation, seed, rl_seeds, frozenset(s.name for s in extra))
     print(f"[quickstart] report: {path}", flush=True)

@@ -4,12 +4,17 @@ resumes, and the report parses."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from megatron_rl import quickstart as q
 from tests.cli_run import cli_in_process
@@ -202,7 +207,7 @@ def test_quickstart_smoke_end_to_end_and_resume(tmp_path):
 def test_a_rerun_redoes_a_stage_whose_command_changed_and_every_stage_after_it(tmp_path):
     ran: list[str] = []
 
-    def runner(argv: list[str]) -> int:
+    def runner(argv: list[str], _name: str) -> int:
         ran.append(argv[0])
         (tmp_path / argv[0]).write_text(" ".join(argv))
         return 0
@@ -223,10 +228,122 @@ def test_a_rerun_redoes_a_stage_whose_command_changed_and_every_stage_after_it(t
     assert state["b"]["argv"] == ["b", "train.steps=2"]
 
 
+def test_stages_run_side_by_side_as_their_inputs_and_the_cores_allow(tmp_path):
+    """a, b and e read nothing, c reads b, d reads c and a. a and b start side by side on one
+    core each; once b is done, c (two cores) waits for a, and e, listed after c, waits with it;
+    then d and e run side by side. A changed a runs again with d, which reads it, and nothing
+    else; after a failure nothing starts, and the stage beside it finishes and is recorded."""
+    lock, now, beside, ran = threading.Lock(), set[str](), dict[str, set[str]](), []
+    fail: set[str] = set()
+
+    def runner(argv: list[str], name: str) -> int:
+        with lock:
+            beside[name] = set(now)
+            now.add(name)
+            ran.append(name)
+        time.sleep(0.6 if name == "a" else 0.2)
+        (tmp_path / name).write_text(" ".join(argv))
+        with lock:
+            now.discard(name)
+        return 1 if name in fail else 0
+
+    def todo(version: int = 1) -> list[q.Stage]:
+        return [q.Stage("a", ["a", str(version)], tmp_path / "a", after=(), cores=1),
+                q.Stage("b", ["b"], tmp_path / "b", after=(), cores=1),
+                q.Stage("c", ["c"], tmp_path / "c", after=("b",)),
+                q.Stage("d", ["d"], tmp_path / "d", after=("c", "a"), cores=1),
+                q.Stage("e", ["e"], tmp_path / "e", after=(), cores=1)]
+
+    def together(x: str, y: str) -> bool:
+        return y in beside[x] or x in beside[y]
+
+    alone: list[str] = []
+
+    def in_process(argv: list[str], name: str) -> int:
+        alone.append(name)
+        return runner(argv, name)
+
+    state = q.run_stages(tmp_path, todo(), in_process, runner, cores=2)
+    assert ran[:3] == ["a", "b", "c"] or ran[:3] == ["b", "a", "c"], ran
+    assert alone == ["c"]  # the stage that takes every core runs through `run`
+    assert list(state) == ["a", "b", "c", "d", "e"]  # stages.json in the list's order
+    assert together("a", "b") and not beside["c"] and together("d", "e")
+    assert state["c"]["start"] >= state["a"]["end"] and state["e"]["start"] >= state["c"]["end"]
+    assert q.wall_seconds(state.values()) < sum(r["seconds"] for r in state.values()) - 0.3
+    ran.clear()
+    q.run_stages(tmp_path, todo(2), runner, runner, cores=2)
+    assert ran == ["a", "d"]  # nothing else reads a
+    ran.clear()
+    for name in "bcde":
+        (tmp_path / name).unlink()
+    fail.add("b")
+    with pytest.raises(RuntimeError, match="stage b failed"):
+        q.run_stages(tmp_path, todo(3), runner, runner, cores=2)
+    assert sorted(ran) == ["a", "b"]  # a, beside b, finished; no other stage started
+    state = json.loads((tmp_path / "stages.json").read_text())
+    assert state["a"]["argv"] == ["a", "3"] and state["b"]["argv"] == ["b"]  # b: the old run's
+    with pytest.raises(ValueError, match="stage x: `after` names no earlier stage"):
+        q.run_stages(tmp_path, [q.Stage("x", ["x"], tmp_path / "x", after=("y",))], runner)
+
+
+def test_a_stage_beside_another_has_its_lines_labelled_and_its_progress_bar_thinned(capsys):
+    stream = io.BufferedReader(io.BytesIO(b"first\nbar 1/3\rbar 2/3\rbar 3/3\rlast\nno newline"))
+    q._relay(stream, "eval-sft")
+    assert capsys.readouterr().out.splitlines() == [
+        "[eval-sft] first", "[eval-sft] bar 1/3", "[eval-sft] last", "[eval-sft] no newline"]
+
+
+def _reads_and_writes(stage: q.Stage, out: Path) -> tuple[list[Path], list[Path]]:
+    """The paths under `out` a stage's command line names, and those of them it writes."""
+    def paths(token: str) -> list[Path]:
+        value = token.split("=", 1)[-1].strip("[]")
+        return [out / v[1:-1] if v.startswith("{") else Path(v) for v in value.split(",")
+                if v.startswith(str(out)) or re.fullmatch(r"\{[\w/]+\}", v)]  # {sft/hf}
+
+    named = [p for token in stage.argv for p in paths(token)]
+    argv = stage.argv
+    flags = ("--out", "--report", *(["--index"] if argv[:2] == ["data", "world"] else []))
+    writes = [stage.artifact, *(Path(argv[i + 1]) for i, a in enumerate(argv[:-1])
+                                if a in flags)]
+    writes += [p for a in argv if a.startswith(("train.output_dir=", "checkpoint.dir="))
+               for p in paths(a)]
+    if argv[:2] == ["data", "filter"]:
+        writes.append(Path(argv[3]))
+    return [p for p in named if p not in writes], writes
+
+
+def test_every_stage_waits_for_the_stages_whose_output_it_reads(tmp_path):
+    """What a stage reads (a path its command line names under the run's folder) another stage
+    wrote only if that stage is among the ones it waits for, directly or through them."""
+    main = q.stages(tmp_path, 0, q.FULL)
+    todo = main + q.seed_stages(tmp_path, main, 0, 3) + q.ablation_stages(tmp_path, main, 0,
+                                                                          q.FULL, 3)
+    needs = q._needs(todo)
+    closure: dict[str, set[str]] = {}
+    for stage in todo:  # a stage's needs come before it
+        closure[stage.name] = set().union(*({n} | closure[n] for n in needs[stage.name]))
+    writes = {s.name: _reads_and_writes(s, tmp_path)[1] for s in todo}
+    checked = 0
+    for stage in todo:
+        for read in _reads_and_writes(stage, tmp_path)[0]:
+            writers = {w for w, paths in writes.items() if w != stage.name and any(
+                read.is_relative_to(p) or p.is_relative_to(read) for p in paths)}
+            assert writers, (stage.name, read)  # everything it reads, some stage writes
+            assert writers <= closure[stage.name], (stage.name, read, writers)
+            checked += 1
+    assert checked > 100
+    # side by side on the main path: RL's rollouts (one core) and the evals; the data stages
+    # (seconds each, less than a child process's imports) one after another
+    assert {s.name for s in main if s.cores == 1} == {
+        "rl", *(f"{e}-{m}{x}" for e in ("eval", "steps") for m in ("untrained", "sft", "rl")
+                for x in ("", "-sampled") if e == "eval" or not x)} - {"eval-untrained-sampled"}
+    assert needs["eval-sft"] == {"world", "questions", "sft"}
+
+
 def test_a_rerun_replaces_the_stale_exports_a_later_stage_would_read(tmp_path):
     """SFT re-run for fewer steps: the old run's step_000650 export must not be the "latest"
     the eval stage resolves `{sft/hf}` to."""
-    def runner(argv: list[str]) -> int:
+    def runner(argv: list[str], _name: str) -> int:
         if argv[0] == "sft":
             steps = int(argv[2].split("=")[1])
             (tmp_path / f"sft/hf/step_{steps:06d}").mkdir(parents=True)
@@ -252,7 +369,7 @@ def test_a_rerun_redoes_a_train_stage_whose_recipe_file_changed(tmp_path):
     recipe.write_text("rl:\n  sampling:\n    dynamic_sampling: false\n")
     ran: list[str] = []
 
-    def runner(argv: list[str]) -> int:
+    def runner(argv: list[str], _name: str) -> int:
         ran.append(argv[0])
         (tmp_path / argv[0]).write_text(" ".join(argv))
         return 0
