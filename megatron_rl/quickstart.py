@@ -369,6 +369,8 @@ def _resolve(argv: list[str], out: Path) -> list[str]:
 
 Runner = Callable[[list[str], str], int]  # runs a stage's `megatron-rl` command line (argv,
                                           # its name) → its exit code
+Beside = Callable[[list[str], str, int], int]  # ... in a child process, at that niceness
+YIELD = 10  # the niceness of a stage started beside running ones: under contention they win
 RECIPE_COMMANDS = ("train", "sft")
 
 
@@ -398,11 +400,12 @@ def _relay(stream: io.BufferedReader, name: str, every: float = 10.0) -> None:
         print(f"[{name}] {pending.decode(errors='replace')}", flush=True)
 
 
-def in_subprocess(argv: list[str], name: str) -> int:
+def in_subprocess(argv: list[str], name: str, niceness: int = 0) -> int:
     """`megatron-rl argv` in a child process, its output labelled `[name]` (stages run side by
-    side)."""
+    side), `niceness` added to its scheduling priority's."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", *argv], env=env,
+    nice = ["nice", "-n", str(niceness)] if niceness and shutil.which("nice") else []
+    with subprocess.Popen([*nice, sys.executable, "-m", "megatron_rl.cli", *argv], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as child:
         assert child.stdout is not None
         _relay(child.stdout, name)
@@ -422,14 +425,16 @@ def _needs(todo: list[Stage]) -> dict[str, set[str]]:
 
 
 def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess,
-               beside: Runner = in_subprocess, cores: int | None = None) -> dict[str, Any]:
+               beside: Beside = in_subprocess, cores: int | None = None) -> dict[str, Any]:
     """Runs what is not done yet: a stage starts, in list order, once the stages it reads are
     done and its cores are free (`cores`: this process's CPUs); a ready stage that waits for
     cores holds back the stages listed after it, so the long path keeps its order. A stage
     that takes every core goes through `run` (the CLI: in this process), one that leaves some
-    free through `beside` on a thread (a child process: they run side by side). A stage runs
-    again when its command, its recipe or its artifact changed, or when a stage it reads ran
-    again. After a failure no stage starts; the running ones finish (and are recorded)."""
+    free through `beside` on a thread (a child process: they run side by side); one started
+    beside running stages yields the CPU to them (`YIELD`): the quickstart's RL steps as fast
+    with the evals beside it as alone, while they take the core its rollouts leave. A stage
+    runs again when its command, its recipe or its artifact changed, or when a stage it reads
+    ran again. After a failure no stage starts; the running ones finish (and are recorded)."""
     log = out / "stages.json"
     state: dict[str, Any] = json.loads(log.read_text()) if log.is_file() else {}
     needs, number = _needs(todo), {s.name: i for i, s in enumerate(todo, 1)}
@@ -479,8 +484,9 @@ def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess,
                     finish(stage, argv, digest, time.time(), run(argv, stage.name))
                     break
                 busy += share
-                running[pool.submit(beside, argv, stage.name)] = (stage, argv, digest,
-                                                                  time.time())
+                niceness = YIELD if running else 0
+                running[pool.submit(beside, argv, stage.name, niceness)] = (
+                    stage, argv, digest, time.time())
             if running:
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:

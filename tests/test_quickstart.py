@@ -236,8 +236,11 @@ def test_stages_run_side_by_side_as_their_inputs_and_the_cores_allow(tmp_path):
     lock, now, beside, ran = threading.Lock(), set[str](), dict[str, set[str]](), []
     fail: set[str] = set()
 
-    def runner(argv: list[str], name: str) -> int:
+    niceness: dict[str, int] = {}
+
+    def runner(argv: list[str], name: str, nice: int = 0) -> int:
         with lock:
+            niceness[name] = nice
             beside[name] = set(now)
             now.add(name)
             ran.append(name)
@@ -266,6 +269,8 @@ def test_stages_run_side_by_side_as_their_inputs_and_the_cores_allow(tmp_path):
     state = q.run_stages(tmp_path, todo(), in_process, runner, cores=2)
     assert ran[:3] == ["a", "b", "c"] or ran[:3] == ["b", "a", "c"], ran
     assert alone == ["c"]  # the stage that takes every core runs through `run`
+    # one started beside a running stage yields to it; the first of a pair does not
+    assert {niceness[x] + niceness[y] for x, y in ("ab", "de")} == {q.YIELD}
     assert list(state) == ["a", "b", "c", "d", "e"]  # stages.json in the list's order
     assert together("a", "b") and not beside["c"] and together("d", "e")
     assert state["c"]["start"] >= state["a"]["end"] and state["e"]["start"] >= state["c"]["end"]
