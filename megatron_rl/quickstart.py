@@ -459,6 +459,7 @@ def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess,
         while (waiting and not failed) or running:
             busy = sum(min(s.cores, cores) for s, *_ in running.values())
             unfinished = {s.name for s in waiting} | {s.name for s, *_ in running.values()}
+            skipped = False  # a stage found done may make an earlier-listed one ready: look again
             for stage in [s for s in waiting if not needs[s.name] & unfinished]:
                 label = f"[quickstart] {number[stage.name]}/{len(todo)} {stage.name}"
                 argv = _resolve(stage.argv, out)
@@ -469,9 +470,10 @@ def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess,
                 if kept and done["argv"] == argv and done.get("config", digest) == digest:
                     print(f"{label}: done ({done['seconds']:.0f}s, earlier run)", flush=True)
                     waiting.remove(stage)
+                    skipped = True
                     continue
                 share = min(stage.cores, cores)
-                if busy + share > cores or failed:
+                if skipped or busy + share > cores or failed:
                     break
                 if kept:
                     print(f"{label}: its command or recipe changed since the earlier run; "
@@ -487,7 +489,7 @@ def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess,
                 niceness = YIELD if running else 0
                 running[pool.submit(beside, argv, stage.name, niceness)] = (
                     stage, argv, digest, time.time())
-            if running:
+            if running and not skipped:
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
                     finish(*running.pop(future), future.result())

@@ -278,6 +278,13 @@ def test_stages_run_side_by_side_as_their_inputs_and_the_cores_allow(tmp_path):
     ran.clear()
     q.run_stages(tmp_path, todo(2), runner, runner, cores=2)
     assert ran == ["a", "d"]  # nothing else reads a
+    # resumed: what is done is known before anything starts, so list order holds (e, ready
+    # at once, does not start before c, whose input b is done)
+    ran.clear()
+    (tmp_path / "c").unlink()
+    (tmp_path / "e").unlink()
+    q.run_stages(tmp_path, todo(2), in_process, runner, cores=2)
+    assert ran == ["c", "d", "e"] or ran == ["c", "e", "d"], ran
     ran.clear()
     for name in "bcde":
         (tmp_path / name).unlink()
