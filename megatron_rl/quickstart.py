@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -282,9 +282,10 @@ ABLATION_ROWS = (("sft", "none (SFT, itersynth)"), ("rl", "rdpo (itersynth)"),
 
 
 def rl_variant(out: Path, main: list[Stage], name: str, overrides: list[str],
-               agent: str = "itersynth") -> list[Stage]:
-    """The main RL stage again into `out/<name>` with `overrides`, and its held-out evals
-    (greedy and sampled)."""
+               agent: str = "itersynth", start: str = "sft") -> list[Stage]:
+    """The main RL stage again into `out/<name>` with `overrides`, from the checkpoint the
+    stage `start` wrote, and its held-out evals (greedy and sampled); like the main run's, they
+    run beside other stages."""
     rl = next(s for s in main if s.name == "rl")
     ev = next(s for s in main if s.name == "eval-rl")
     run = out / name
@@ -292,19 +293,24 @@ def rl_variant(out: Path, main: list[Stage], name: str, overrides: list[str],
                                                           for o in overrides})
     argv = [a for a in rl.argv if not a.startswith(replaced)]
     label = name.rsplit("/", 1)[-1]
-    greedy = _eval_stage(out, ev, label, f"{{{name}/hf}}", agent)
+    greedy = _eval_stage(out, ev, label, f"{{{name}/hf}}", agent, f"rl-{label}")
+    after = tuple(start if a == "sft" else a for a in rl.after or ())
     return [Stage(f"rl-{label}", [*argv, *overrides, f"train.output_dir={run}",
-                                  f"checkpoint.dir={run / 'checkpoints'}"], run / "hf"),
+                                  f"checkpoint.dir={run / 'checkpoints'}"], run / "hf",
+                  after, rl.cores),
             greedy, sampled(greedy, out)]
 
 
-def _eval_stage(out: Path, like: Stage, label: str, model_dir: str, agent: str) -> Stage:
-    """`like` (an eval stage) for another model and agent, into `eval/<label>`."""
+def _eval_stage(out: Path, like: Stage, label: str, model_dir: str, agent: str,
+                made_by: str) -> Stage:
+    """`like` (an eval stage) for another model (the stage `made_by` wrote it) and agent,
+    into `eval/<label>`."""
     argv = list(like.argv)
     argv[argv.index("--model-dir") + 1] = model_dir
     argv[argv.index("--agent") + 1] = agent
     argv[argv.index("--out") + 1] = str(out / f"eval/{label}")
-    return Stage(f"eval-{label}", argv, out / f"eval/{label}/summary.json")
+    after = tuple(made_by if a in ("sft", "rl") else a for a in like.after or ())
+    return Stage(f"eval-{label}", argv, out / f"eval/{label}/summary.json", after, like.cores)
 
 
 def ablation_runs(name: str, rl_seeds: int) -> list[str]:
@@ -326,7 +332,8 @@ def ablation_stages(out: Path, main: list[Stage], seed: int, b: Budget, rl_seeds
              *_teacher_stages(out, "react-one-hop", "react", q / "one_hop/train.parquet", 1,
                               "questions-one-hop"),
              _sft_stage(out, "sft-react", out / REACT_SFT, ("react", "react-one-hop"), seed, b)]
-    react += [greedy := _eval_stage(out, ev, "sft_react", f"{{{REACT_SFT}/hf}}", "react"),
+    react += [greedy := _eval_stage(out, ev, "sft_react", f"{{{REACT_SFT}/hf}}", "react",
+                                    "sft-react"),
               sampled(greedy, out)]
     seeds: list[list[Stage]] = [[] for _ in range(rl_seeds)]  # by seed: methods side by side
     for name, overrides in ABLATION.items():
@@ -334,11 +341,12 @@ def ablation_stages(out: Path, main: list[Stage], seed: int, b: Budget, rl_seeds
         if agent == "react":
             overrides = [*overrides, f"checkpoint.init_from={out / REACT_SFT / 'checkpoints'}"]
         runs = ablation_runs(name, rl_seeds)
+        start = "sft-react" if agent == "react" else "sft"
         (react if agent == "react" else itersynth).extend(
-            rl_variant(out, main, f"ablation/{runs[0]}", overrides, agent))
+            rl_variant(out, main, f"ablation/{runs[0]}", overrides, agent, start))
         for k, run in enumerate(runs[1:], 1):
             seeds[k] += rl_variant(out, main, f"ablation/{run}",
-                                   [*overrides, f"train.seed={seed + k}"], agent)
+                                   [*overrides, f"train.seed={seed + k}"], agent, start)
     return itersynth + react + [stage for at_seed in seeds for stage in at_seed]
 
 
@@ -752,8 +760,6 @@ def quickstart(out: Path, seed: int = 0, smoke: bool = False, ablation: bool = F
     main = stages(out, seed, budget)
     extra = seed_stages(out, main, seed, rl_seeds) + (
         ablation_stages(out, main, seed, budget, rl_seeds) if ablation else [])
-    # the extra runs one after another once the main path is done: its time stays its own
-    extra = [replace(s, after=None, cores=2) for s in extra]
     state = run_stages(out, main + extra, run)
     path = report(out, state, ablation, seed, rl_seeds, frozenset(s.name for s in extra))
     print(f"[quickstart] report: {path}", flush=True)
