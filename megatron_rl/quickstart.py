@@ -106,6 +106,12 @@ TWO_HOP_REPEATS = 3   # the 2-hop episodes thrice beside the 1,056 one-hop ones:
                       # policy learns to answer after one fact
 
 
+# what an RL run reads besides its start checkpoint (the index, its questions, the HF folder),
+# and an eval besides its model (the index, the held-out questions)
+RL_READS = ("world", "questions", "model")
+EVAL_READS = ("world", "questions")
+
+
 @dataclass
 class Stage:
     name: str
@@ -246,13 +252,13 @@ def stages(out: Path, seed: int, b: Budget) -> list[Stage]:
                      "env.visit.kind=local", "rl.tool_specs=false",
                      f"train.steps={b.rl_steps}", f"train.seed={seed}",
                      f"train.output_dir={out / 'rl'}", f"checkpoint.dir={out / 'rl/checkpoints'}",
-                     *b.extra_rl], out / "rl/hf", after=("world", "questions", "model", "sft"),
+                     *b.extra_rl], out / "rl/hf", after=(*RL_READS, "sft"),
               cores=1),  # its rollouts, ~3/4 of its time, keep one core busy
         # the evals decode on one core (`--engine-threads 1`): beside RL's rollouts and each
         # other
         *[Stage(f"eval-{name}", ["eval", "--model-dir", folder, *ev, "--out",
                                  str(out / f"eval/{name}")], out / f"eval/{name}/summary.json",
-                after=("world", "questions", stage), cores=1)
+                after=(*EVAL_READS, stage), cores=1)
           for name, folder, stage in models],
     ]
     out_list += [sampled(s, out) for s in out_list[-2:]]  # SFT's and RL's
@@ -294,10 +300,9 @@ def rl_variant(out: Path, main: list[Stage], name: str, overrides: list[str],
     argv = [a for a in rl.argv if not a.startswith(replaced)]
     label = name.rsplit("/", 1)[-1]
     greedy = _eval_stage(out, ev, label, f"{{{name}/hf}}", agent, f"rl-{label}")
-    after = tuple(start if a == "sft" else a for a in rl.after or ())
     return [Stage(f"rl-{label}", [*argv, *overrides, f"train.output_dir={run}",
                                   f"checkpoint.dir={run / 'checkpoints'}"], run / "hf",
-                  after, rl.cores),
+                  (*RL_READS, start), rl.cores),
             greedy, sampled(greedy, out)]
 
 
@@ -309,8 +314,8 @@ def _eval_stage(out: Path, like: Stage, label: str, model_dir: str, agent: str,
     argv[argv.index("--model-dir") + 1] = model_dir
     argv[argv.index("--agent") + 1] = agent
     argv[argv.index("--out") + 1] = str(out / f"eval/{label}")
-    after = tuple(made_by if a in ("sft", "rl") else a for a in like.after or ())
-    return Stage(f"eval-{label}", argv, out / f"eval/{label}/summary.json", after, like.cores)
+    return Stage(f"eval-{label}", argv, out / f"eval/{label}/summary.json",
+                 (*EVAL_READS, made_by), like.cores)
 
 
 def ablation_runs(name: str, rl_seeds: int) -> list[str]:
