@@ -337,7 +337,8 @@ def _eval_steps(args: argparse.Namespace) -> int:
     from megatron_rl.evaluation import step_accuracy
 
     try:
-        result = step_accuracy(args.model_dir, args.trajectories, args.limit)
+        result = step_accuracy(args.model_dir, args.trajectories, args.limit,
+                               threads=args.threads)
     except (OSError, ValueError) as e:
         print(f"megatron-rl: {e}", file=sys.stderr)
         return 2
@@ -589,6 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "teacher's on the held-out questions)")
     es.add_argument("--out", required=True, help="JSON file to write")
     es.add_argument("--limit", type=int, default=None)
+    es.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (0: its "
+                    "default); one keeps a core free beside other work")
     es.set_defaults(func=_eval_steps)
 
     _add_data_commands(sub)

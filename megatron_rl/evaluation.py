@@ -226,7 +226,7 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
 
 
 def step_accuracy(model_dir: str, trajectories: str, limit: int | None = None,
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, threads: int = 0) -> dict[str, Any]:
     """Per-step accuracy of an HF model on reference (e.g. oracle-teacher) trajectories: every
     turn's context is fed as recorded and the model's argmax is compared with the recorded
     output, token by token. A turn counts as reproduced when every token matches, which is
@@ -234,13 +234,16 @@ def step_accuracy(model_dir: str, trajectories: str, limit: int | None = None,
     (the role, and for acting turns the tool called or `answer`), so a run whose episodes all
     fail still shows which step it cannot take yet (pass@1 multiplies the steps).
     `name_accuracy`: the same over the output tokens that are single-id names (page titles
-    and URLs of a `--title-tokens` tokenizer): the copies a held-out answer depends on."""
+    and URLs of a `--title-tokens` tokenizer): the copies a held-out answer depends on.
+    `threads`: torch's intra-op threads (0: its default)."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_rl.utils.tokens import added_word_ids
 
+    if threads:
+        torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
     try:  # a folder without a tokenizer has no name ids to tell apart
         words = added_word_ids(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
@@ -255,8 +258,11 @@ def step_accuracy(model_dir: str, trajectories: str, limit: int | None = None,
             ctx, out = list(turn.get("context_ids") or ()), list(turn.get("output_ids") or ())
             if not ctx or not out:
                 continue
+            # logits only where an output token is predicted: over the whole context they
+            # were most of the work (34k ids x ~1,000 positions a turn)
             with torch.no_grad():
-                logits = model(torch.tensor([ctx + out])).logits[0, len(ctx) - 1:-1]
+                logits = model(torch.tensor([ctx + out]),
+                               logits_to_keep=len(out) + 1).logits[0, :-1]
             hits = logits.argmax(-1) == torch.tensor(out)
             right = int(hits.sum())
             is_name = torch.tensor([t in words for t in out])

@@ -46,8 +46,9 @@ def test_large_temporaries_reuse_freed_memory_instead_of_faulting_it_in_again():
           f"freed memory reused {reused['faults']}")
     logits_pages = 512 * 34048 * 4 / os.sysconf("SC_PAGE_SIZE")
     assert reused["applied"] is True
-    # by default every pass maps its [tokens, vocab] temporaries anew: several logits' worth
-    assert min(default["faults"][1:]) > 3 * logits_pages
+    # by default every pass maps its [tokens, vocab] temporaries anew: the logits and their
+    # gradient
+    assert min(default["faults"][1:]) > 2 * logits_pages
     # reused: once the heap holds them, a pass faults (almost) nothing in
     assert min(reused["faults"][1:]) < 0.05 * logits_pages
 

@@ -119,6 +119,7 @@ class Workload:
     seq_length: int = 4096  # longest row: the unfused attention's key length
     microbatches: int = 1 << 30  # per step per DP rank; >= PP fills the 1F1B pipeline
     logprob_chunk_tokens: int = 4096
+    keep_logits_bytes: int = 64 << 20  # a chunk's logits up to this stay for backward
 
 
 @dataclass(frozen=True)
@@ -317,9 +318,11 @@ def stage_activations(spec: ModelSpec, lay: Layout, wl: Workload, stage: int
     in_flight = min(lay.pp - stage, wl.microbatches)
     transient = recomputed
     if last:
-        # one chunk of fp32 logits, softmax and its gradient (models/logprobs.py)
-        chunk = min(tokens, wl.logprob_chunk_tokens)
-        transient += chunk * padded_vocab(spec, lay.tp) / lay.tp * 4 * 3
+        # fp32 logits (models/logprobs.py): a chunk's, recomputed in backward as its gradient;
+        # or, when small enough to keep, every chunk's of the micro-batch and one gradient
+        row = padded_vocab(spec, lay.tp) / lay.tp * 4
+        chunk = min(tokens, wl.logprob_chunk_tokens) * row
+        transient += tokens * row + chunk if chunk <= wl.keep_logits_bytes else 2 * chunk
     if wl.attention == "local" and "full_attention" in layers:
         # the unfused softmax's backward: the gradients of the probabilities and of the
         # scores, [heads, sq, sk] each (+ the probabilities themselves when recomputed)
@@ -548,12 +551,15 @@ def workload_of(cfg: Config, device: Device, dp: int = 1) -> Workload:
     """A recipe's micro-batch: its token budget per DP rank, else rows x seq_length."""
     t, m = cfg.train, cfg.model
     tokens = t.max_tokens_per_microbatch or t.micro_batch_size * m.seq_length
+    from megatron_rl.models.logprobs import keep_logits_bytes  # imports torch
+
     uses_te = m.layer_impl == "transformer_engine" or (m.layer_impl == "auto"
                                                        and not device.shared)
     return Workload(tokens=tokens, dtype_bytes=4 if m.dtype == "fp32" else 2,
                     attention="flash" if uses_te else "local", seq_length=m.seq_length,
                     microbatches=max(1, t.global_batch_size // (t.micro_batch_size * dp)),
-                    logprob_chunk_tokens=t.logprob_chunk_tokens)
+                    logprob_chunk_tokens=t.logprob_chunk_tokens,
+                    keep_logits_bytes=keep_logits_bytes("cpu" if device.shared else "cuda"))
 
 
 def layout_of(cfg: Config) -> Layout:
