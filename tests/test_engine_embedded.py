@@ -793,7 +793,8 @@ def test_the_engine_decodes_on_its_own_thread_count(model) -> None:
 
 
 def test_a_decode_step_writes_the_kv_cache_in_place(model) -> None:
-    """No per-step copy: the slabs keep their storage until a row joins or leaves."""
+    """No per-step copy: the slabs keep their storage until a row joins, and when one leaves
+    (the last rows move into its place)."""
     core = EmbeddedCore(model)
     with torch.no_grad():
         core.pending.extend([core_seq("a", PROMPTS[0], 20), core_seq("b", PROMPTS[1], 8)])
@@ -804,8 +805,9 @@ def test_a_decode_step_writes_the_kv_cache_in_place(model) -> None:
         assert [layer.kbuf.data_ptr() for layer in core.cache.layers] == ptrs
         assert core.width == width + 5
         while len(core.batch) == 2:
-            step(core)  # "b" leaves: the slab is compacted to "a" alone, no padding left
+            step(core)  # "b" leaves: "a" moves into its row, in the same storage
         assert core.pad.tolist() == [0] and not core.padded
+        assert [layer.kbuf.data_ptr() for layer in core.cache.layers] == ptrs
 
 
 def test_prefill_buckets_cut_where_the_padding_saved_pays_for_a_pass() -> None:
