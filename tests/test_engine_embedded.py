@@ -816,3 +816,45 @@ def test_prefill_buckets_cut_where_the_padding_saved_pays_for_a_pass() -> None:
     assert prefill_buckets([190, 10, 180, 10], 10**6) == [[1, 3, 2, 0]]
     assert prefill_buckets([5, 3, 9], 0) == [[1], [0], [2]]
     assert prefill_buckets([], 256) == []
+
+
+def test_the_output_layer_on_a_second_thread_gives_the_same_tokens_and_logprobs() -> None:
+    """`output_threads`: the output layer and the sampling over a 34k vocabulary on 2 threads,
+    the rest of the step on 1; greedy and seeded sampled requests in one batch come out token
+    for token and log-prob for log-prob as on 1 thread, and the step's own ops stay on 1."""
+    import dataclasses
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    spec = dataclasses.replace(get_model_spec("tiny-moe"), vocab_size=34048)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(spec.hf_config()).float().eval()
+    prompts = mixed_prompts(12, 2, 90, seed=3)
+    threads_seen: list[int] = []
+    model.model.layers[0].register_forward_pre_hook(  # the engine's steps (not its probes)
+        lambda *_: threads_seen.append(torch.get_num_threads())
+        if threading.current_thread().name == "embedded-engine" else None)
+    output_seen: list[int] = []
+    model.lm_head.register_forward_hook(
+        lambda *_: output_seen.append(torch.get_num_threads())
+        if threading.current_thread().name == "embedded-engine" else None)
+
+    def run(output_threads: int | None) -> list[tuple[list[int], list[float]]]:
+        core = EmbeddedCore(model, threads=1, output_threads=output_threads)
+        core.start()
+        try:
+            seqs = [core_seq(f"o{i}", p, 24) for i, p in enumerate(prompts)]
+            for i, s in enumerate(seqs[::2]):  # every other request sampled, seeded
+                s.sampling = Sampling(temperature=0.7, max_new_tokens=24, seed=i)
+            for s in seqs:
+                core.submit(s)
+            return [(s.future.result(timeout=300)["output_ids"], s.logprobs) for s in seqs]
+        finally:
+            core.stop()
+
+    narrow = run(None)
+    threads_seen.clear()
+    assert run(2) == narrow
+    assert threads_seen and set(threads_seen) == {1}  # the decoder layers: one thread
+    assert output_seen and set(output_seen) == {1, 2}  # the output layer: 1 in the narrow run
