@@ -564,10 +564,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--engine-threads", dest="engine_threads", type=int, default=1,
                     help="--model-dir: intra-op threads of the embedded engine (0: torch's "
                     "default; a tiny model decodes fastest on 1)")
-    ev.add_argument("--engine-output-threads", dest="engine_output_threads", type=int,
-                    default=0, help="--model-dir: the engine's threads for its output layer "
-                    "and sampling (0: --engine-threads); 2 where a core is free and the "
-                    "vocabulary large")
     ev.add_argument("--max-turns", dest="max_turns", type=int, default=8)
     ev.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=2048)
     ev.add_argument("--retries", type=int, default=1)

@@ -38,7 +38,6 @@ class EvalConfig:
     limit: int | None = None
     concurrency: int = 8
     engine_threads: int = 1  # --model-dir: the engine's intra-op threads (tiny models: 1)
-    engine_output_threads: int = 0  # ... of its output layer and sampling (0: engine_threads)
     max_turns: int = 8
     max_new_tokens: int = 2048
     tool_specs: bool = True  # the tools' schemas in the system prompt (as the policy trained)
@@ -162,8 +161,7 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
         model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_dir,
                                                                   local_files_only=True)
         server = EmbeddedServer(model, tokenizer, max_batch_size=cfg.concurrency,
-                                threads=cfg.engine_threads or None,
-                                output_threads=cfg.engine_output_threads or None).start()
+                                threads=cfg.engine_threads or None).start()
         engine: Any = HttpEngine(server.url)
     elif cfg.model_url:
         engine = OpenAIChatEngine(ChatClient(ClientConfig(

@@ -330,11 +330,6 @@ class RolloutConfig:
     trainer_gpus: int = bounded(0, ge=0)
     engine_cpus: float = bounded(1.0, ge=0, help="an engine's CPU share; an embedded engine "
                                   "decodes on that many threads (at least 1)")
-    engine_output_threads: int = bounded(
-        0, ge=0, help="an embedded engine's threads for the output layer and the sampling "
-        "(0: as the rest of its step): where the vocabulary is large they are most of a tiny "
-        "model's decode step and split well over a second core, which the per-op work of the "
-        "rest does not (the same values)")
     engine_gpus: int = bounded(0, ge=0, help="GPUs per engine (its TP size); 0 = CPU")
     engine_ep: int = bounded(1, ge=1, help="SGLang expert parallel inside an engine's TP "
                              "group (--ep-size); must divide engine_gpus")

@@ -386,18 +386,13 @@ class EmbeddedCore:
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, weight_version: int = 0,
                  max_batch_size: int = 32, return_original_logprob: bool = False,
                  context_length: int | None = None,
-                 prefill_call_tokens: int = PREFILL_CALL_TOKENS, threads: int | None = None,
-                 output_threads: int | None = None):
+                 prefill_call_tokens: int = PREFILL_CALL_TOKENS, threads: int | None = None):
         self.model = model.eval()
         self.fused_norms = fuse_rms_norms(model)
         # intra-op threads of the engine's own thread (OpenMP's setting is per thread). A tiny
         # model's decode step is per-op overhead: 2 threads ran batches of 8-16 rows at 0.65-0.8x
         # the tokens/s of 1 (benchmarks/engine_vs_generate.py --threads)
         self.threads = threads
-        # ... but the output layer and the sampling over a large vocabulary split well: 34k
-        # ids at 16 rows, 2.7 ms -> 1.8 ms and 1.8 ms -> 1.0 ms on 2 threads, bit for bit
-        self.output_threads = output_threads if output_threads and threads and \
-            output_threads != threads else None
         self.tokenizer = tokenizer
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -491,9 +486,6 @@ class EmbeddedCore:
         torch.set_grad_enabled(False)
         if self.threads:
             torch.set_num_threads(self.threads)
-        if self.output_threads:  # widened on this thread only, narrowed after the sampling
-            self.model.get_output_embeddings().register_forward_pre_hook(
-                lambda *_: torch.set_num_threads(self.output_threads))
         while True:
             busy = bool(self.batch or self.pending) and not self.held
             items = [] if busy else [self.inbox.get()]
@@ -533,11 +525,6 @@ class EmbeddedCore:
                 log.exception("embedded engine step failed")
                 self._fail_all(e)
             self.busy_seconds += time.perf_counter() - t0
-
-    def _narrow(self) -> None:
-        """Back to the step's threads after the output layer and the sampling."""
-        if self.output_threads:
-            torch.set_num_threads(self.threads)
 
     def _fail_all(self, e: BaseException) -> None:
         for s in [*self.admitting, *self.batch, *self.pending]:
@@ -647,7 +634,6 @@ class EmbeddedCore:
             for i, s in enumerate(seqs):
                 s.routed = list(experts[i, width - len(toks[i]):].numpy().astype(np.int32))
         self._sample(seqs, logits)
-        self._narrow()
         keep = [i for i, s in enumerate(seqs) if s.finish is None]
         return [seqs[i] for i in keep], keep, cache, pad, width
 
@@ -691,7 +677,6 @@ class EmbeddedCore:
                 for i, s in enumerate(batch):
                     s.routed.append(experts[i, 0].numpy().astype(np.int32))
             self._sample(batch, logits)
-            self._narrow()
             self._retire()
         except Exception as e:
             # the KV cache may be half-updated: drop it and re-prefill the rows one by one

@@ -63,7 +63,6 @@ class EmbeddedKind:
         cmd = [sys.executable, "-m", "megatron_rl.engines.embedded", "--host", host,
                "--port", str(port), "--weight-version", str(spec.weight_version),
                "--max-batch-size", str(spec.max_batch_size), "--threads", str(spec.threads),
-               "--output-threads", str(spec.output_threads),
                "--control-timeout-s", str(spec.control_timeout_s)]
         cmd += (["--model", str(spec.model_path)] if spec.model_path
                 else ["--random-init", str(spec.random_init), "--seed", str(spec.seed)])
@@ -112,7 +111,6 @@ class EngineSpec:
     weight_version: int = 0                 # the version the server starts at
     max_batch_size: int = 32                # embedded
     threads: int = 0                        # embedded: generation threads (0: torch's)
-    output_threads: int = 0                 # embedded: the output layer's (0: `threads`)
     gpus: int = 0                           # sglang: TP size
     colocated: bool = False                 # sglang: memory saver for release/resume
     sglang: dict[str, Any] = field(default_factory=dict)  # more SGLangConfig fields
