@@ -127,3 +127,34 @@ def test_bf16_matmuls_keep_fp32_tensors_and_bf16_accuracy(monkeypatch):
         rel = ((got - want).norm() / want.norm()).item()
         assert 1e-6 < rel < 2e-2, rel
     assert out[torch.bfloat16][3][vocab:].abs().max() == 0  # padded ids: no gradient
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.4])
+def test_row_blocks_and_kept_logits_give_the_same_values_bit_for_bit(monkeypatch, temperature):
+    """The softmax's passes over row blocks (a lone tail row folded into the block before it)
+    and logits kept for backward instead of recomputed: log-probs, entropy and both
+    gradients are exactly those of one block over the whole chunk, recomputed."""
+    from megatron_rl.models import logprobs
+
+    g = torch.Generator().manual_seed(0)
+    n, vocab, pad = 37, 34048, 40  # 37 rows: blocks of 4 leave a lone row at the end
+    h0, w0 = torch.randn(n, 32, generator=g), torch.randn(vocab + pad, 32, generator=g) * 0.3
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    def run(block_bytes: int, keep_bytes: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(logprobs, "BLOCK_BYTES", block_bytes)
+        monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", {"cpu": keep_bytes, "cuda": 0})
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        lp, ent = logprobs._LinearLogprobs.apply(h, w, labels, 0, vocab, temperature, None, 1)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        return [lp.detach(), ent.detach(), h.grad, w.grad]
+
+    whole = run(1 << 40, 0)
+    for block_bytes in (4 * 4 * vocab, 4 * 7 * vocab):
+        for keep in (0, 1 << 40):
+            got = run(block_bytes, keep)
+            assert all(torch.equal(a, b) for a, b in zip(got, whole, strict=True))
+    monkeypatch.setattr(logprobs, "BLOCK_BYTES", 4 * 4 * vocab)  # 4 rows a block
+    assert logprobs._row_blocks(9, vocab) == [slice(0, 4), slice(4, 9)]  # no lone 9th row
+    assert logprobs._row_blocks(9, 1) == [slice(0, 9)]
