@@ -17,7 +17,7 @@ import torch
 MAX, SUM = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.SUM
 # a chunk's logits up to this size are kept for backward, not recomputed: on a GPU memory is
 # what runs short; on a CPU host the matmul (the quickstart's pre-training, 34k ids: 0.82 s ->
-# 0.70 s a step with the blocks below, the same values bit for bit)
+# 0.70-0.73 s a step with the blocks below, the same values bit for bit)
 KEEP_LOGITS_BYTES = {"cuda": 64 << 20, "cpu": 1 << 30}
 # the softmax's elementwise passes go over this many bytes of logits at a time: each block
 # stays in cache through all of them, where passes over a whole chunk each went to memory
