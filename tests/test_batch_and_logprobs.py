@@ -134,7 +134,7 @@ def test_row_blocks_and_kept_logits_give_the_same_values_bit_for_bit(monkeypatch
     """The softmax's passes over row blocks (a lone tail row folded into the block before it)
     and logits kept for backward instead of recomputed: log-probs, entropy and both
     gradients are exactly those of one block over the whole chunk, recomputed."""
-    from megatron_rl.models import logprobs
+    from megatron_rl.models import logprobs, memory_plan
 
     g = torch.Generator().manual_seed(0)
     n, vocab, pad = 37, 34048, 40  # 37 rows: blocks of 4 leave a lone row at the end
@@ -144,7 +144,7 @@ def test_row_blocks_and_kept_logits_give_the_same_values_bit_for_bit(monkeypatch
 
     def run(block_bytes: int, keep_bytes: int) -> list[torch.Tensor]:
         monkeypatch.setattr(logprobs, "BLOCK_BYTES", block_bytes)
-        monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", {"cpu": keep_bytes, "cuda": 0})
+        monkeypatch.setattr(memory_plan, "KEEP_LOGITS_BYTES", {"cpu": keep_bytes, "cuda": 0})
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
         lp, ent = logprobs._LinearLogprobs.apply(h, w, labels, 0, vocab, temperature, None, 1)
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()

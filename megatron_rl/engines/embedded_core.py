@@ -775,29 +775,25 @@ class EmbeddedCore:
         """Add prefilled rows to the running batch: one new slab per attention layer holding
         the running rows and the new ones, all right-aligned at the widest width, with spare
         columns for the decode steps ahead (one copy per admission, none per step)."""
-        # (cache, its rows to take or None for all, their padding, width)
-        srcs = [(cache, torch.tensor(keep), pad[keep], width)
+        # (cache, its rows to take or None for all, their padding, first column, width)
+        srcs = [(cache, torch.tensor(keep), pad[keep], 0, width)
                 for _, keep, cache, pad, width in parts if keep]
         if not srcs:
             return
         if self.batch:  # the running rows, without the left columns none of them uses
             start = int(self.pad.min())
-            srcs.insert(0, (self.cache, None, self.pad - start, self.width - start))
-            starts = [start] + [0] * (len(srcs) - 1)
-        else:
-            starts = [0] * len(srcs)
+            srcs.insert(0, (self.cache, None, self.pad - start, start, self.width - start))
         seqs = self.batch + [s for part in parts for s in part[0]]
         width = max(w for *_, w in srcs)
         cap = width + self._headroom(seqs)
         base = srcs[0][0]
         # computed before anything is assigned: a failure leaves the running batch intact;
         # a recurrent layer's states have no time axis: rows are only stacked
-        merged = [_stacked_states([(c.layers[li], idx) for c, idx, _, _ in srcs])
+        merged = [_stacked_states([(c.layers[li], idx) for c, idx, *_ in srcs])
                   if _is_recurrent(layer) else
-                  _slab_of([(c.layers[li], idx, a, w) for (c, idx, _, w), a
-                            in zip(srcs, starts, strict=True)], width, cap)
+                  _slab_of([(c.layers[li], idx, a, w) for c, idx, _, a, w in srcs], width, cap)
                   for li, layer in enumerate(base.layers)]
-        pad = torch.cat([p + (width - w) for _, _, p, w in srcs])
+        pad = torch.cat([p + (width - w) for _, _, p, _, w in srcs])
         for li, m in enumerate(merged):
             if isinstance(m, tuple):
                 base.layers[li].conv_states, base.layers[li].recurrent_states = m

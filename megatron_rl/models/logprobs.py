@@ -7,26 +7,20 @@ chunk's logits once and turns them into their gradient in place. Between the mat
 elementwise work runs over blocks of rows that fit in cache. (Autograd through the
 elementwise ops, or activation checkpointing, made ~10 full-size passes per chunk and
 allocated a zero tensor per gather: 5x a plain cross-entropy step on CPU.) A chunk whose logits
-take at most `KEEP_LOGITS_BYTES` of its device keeps them instead.
+take at most `memory_plan.KEEP_LOGITS_BYTES` of its device keeps them instead.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_rl.models import memory_plan
+
 MAX, SUM = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.SUM
-# a chunk's logits up to this size are kept for backward, not recomputed: on a GPU memory is
-# what runs short; on a CPU host the matmul (the quickstart's pre-training, 34k ids: 0.82 s ->
-# 0.70-0.73 s a step with the blocks below, the same values bit for bit)
-KEEP_LOGITS_BYTES = {"cuda": 64 << 20, "cpu": 1 << 30}
 # the softmax's elementwise passes go over this many bytes of logits at a time: each block
 # stays in cache through all of them, where passes over a whole chunk each went to memory
 # (bit for bit the same values: every row's sums run in the same kernel)
 BLOCK_BYTES = 8 << 20
-
-
-def keep_logits_bytes(device_type: str) -> int:
-    return KEEP_LOGITS_BYTES.get(device_type, KEEP_LOGITS_BYTES["cuda"])
 
 
 def _row_blocks(n: int, columns: int) -> list[slice]:
@@ -74,7 +68,8 @@ class _LinearLogprobs(torch.autograd.Function):
         n = h.shape[0]
         # small logits stay for backward (what recomputing them saves is not worth a matmul);
         # z is never changed in place, so kept ones need no copy
-        kept = z if z.numel() * z.element_size() <= keep_logits_bytes(z.device.type) else None
+        kept = z if z.numel() * z.element_size() <= memory_plan.keep_logits_bytes(
+            z.device.type) else None
         local = labels - vocab_start
         owned = (local >= 0) & (local < valid)
         if not valid:
