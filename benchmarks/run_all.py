@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, list[str]] = {
                     "--two-ranks", "ep2,pp2"],
     "megatron_cpu_step": [],
     "engine_vs_generate": ["--models", "tiny-moe,tiny-qwen3.5"],
+    "prefix_cache": [],
     "partial_rollout": [],
     "step_overhead": ["--steps", "4"],
     "conversion": [],

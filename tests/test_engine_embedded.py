@@ -816,3 +816,87 @@ def test_prefill_buckets_cut_where_the_padding_saved_pays_for_a_pass() -> None:
     assert prefill_buckets([190, 10, 180, 10], 10**6) == [[1, 3, 2, 0]]
     assert prefill_buckets([5, 3, 9], 0) == [[1], [0], [2]]
     assert prefill_buckets([], 256) == []
+
+
+def test_prompts_sharing_a_prefix_run_it_once_and_keep_generates_outputs(model) -> None:
+    """Prompts that open alike (an agent's system prompt, a group's repeated question): the
+    shared part runs once and later prompts run after its cached keys and values, in passes
+    whose rows differ in length; every output still equals `generate` of its prompt alone."""
+    rng = random.Random(5)
+    system = [rng.randrange(1, 512) for _ in range(60)]
+    question = system + [rng.randrange(1, 512) for _ in range(40)]
+    prompts = ([system + [rng.randrange(1, 512) for _ in range(n)] for n in (5, 30, 1, 12)]
+               + [question, list(question), [*question, 7, 8, 9]])
+    core = EmbeddedCore(copy.deepcopy(model), max_batch_size=8)
+    assert core.prefixes is not None
+    seqs = [core_seq(f"p{i}", p, 6) for i, p in enumerate(prompts)]
+    with torch.no_grad():
+        core.pending.append(seqs[0])  # nothing to share with yet
+        step(core)
+        core.pending.extend(seqs[1:])  # joins the running row
+        while core.batch or core.pending:
+            step(core)
+    for s, p in zip(seqs, prompts, strict=True):
+        assert s.future.result(timeout=0)["output_ids"] == hf_greedy(model, p, 6)
+        assert max_diff(s.logprobs, full_logprobs(model, p, s.out)) < TOL
+    info = core.prefixes.info()
+    # the system prompt (60 tokens) from the second prompt on; the question (100) once it
+    # repeats, its copy taking all but its last token (99)
+    assert set(map(len, core.prefixes.entries)) == {60, 99}
+    assert info["hits"] == 6 and info["tokens_saved"] == 60 * 4 + 99 * 2
+    assert info["tokens_computed"] == 99
+
+
+def test_a_weight_update_or_flush_drops_the_cached_prefixes(model, tmp_path) -> None:
+    """Cached keys and values belong to the weights that computed them: after an update the
+    same prompts give the new model's outputs."""
+    rng = random.Random(6)
+    system = [rng.randrange(1, 512) for _ in range(50)]
+    prompts = [system + [rng.randrange(1, 512) for _ in range(n)] for n in (3, 9)]
+    core = EmbeddedCore(copy.deepcopy(model))
+
+    def generate_all(tag: str) -> list[list[int]]:
+        seqs = [core_seq(f"{tag}{i}", p, 5) for i, p in enumerate(prompts)]
+        with torch.no_grad():
+            for s in seqs:  # one at a time: the second takes the first's prefix
+                core.pending.append(s)
+                while core.batch or core.pending:
+                    step(core)
+        return [s.future.result(timeout=0)["output_ids"] for s in seqs]
+
+    assert generate_all("a") == [hf_greedy(model, p, 5) for p in prompts]
+    assert len(core.prefixes.entries) == 1
+    ref = perturbed(model)
+    core.load_weights(checkpoint_tensors(ref, tmp_path / "new"), version=1)
+    assert not core.prefixes.entries
+    hits = core.prefixes.hits
+    # the same prompts again: each repeats one seen before, so all of it but its last token
+    # is cached anew (from the new weights) and taken
+    assert generate_all("b") == [hf_greedy(ref, p, 5) for p in prompts]
+    assert sorted(map(len, core.prefixes.entries)) == [52, 58]
+    assert core.prefixes.hits == hits + 2
+    core.flush_cache()  # and the prompts seen: the next ones start cold
+    assert not core.prefixes.entries and not core.prefixes.recent
+
+
+def test_the_prefix_cache_keeps_prefixes_shared_with_recent_prompts() -> None:
+    from megatron_rl.engines.prefix_cache import PrefixCache
+
+    cache = PrefixCache(min_tokens=4, max_entries=2, recent=2)
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert cache.plan(a) == ((), ())  # nothing seen yet
+    assert cache.plan([1, 2, 3, 4, 5, 9]) == ((), (1, 2, 3, 4, 5))
+    cache.add((1, 2, 3, 4, 5), "kv5")
+    # 7 shared with `a`: 2 more than the cached 5, fewer than min_tokens more
+    assert cache.plan([1, 2, 3, 4, 5, 6, 7, 0]) == ((1, 2, 3, 4, 5), ())
+    # the same prompt again: all but its last token, which must run for the next one's logits
+    assert cache.plan(list(a)) == ((1, 2, 3, 4, 5), ())  # a left the 2 recent prompts
+    assert cache.plan(list(a)) == ((1, 2, 3, 4, 5), ())  # 7 shared: < 5 + 4
+    long = list(range(100, 120))
+    cache.plan(long)
+    assert cache.plan([*long, 1]) == ((), tuple(long))
+    assert cache.longest([1, 2, 3, 4, 5]) == ()  # a prompt that is the prefix: nothing to run
+    cache.add(tuple(long), "kv20")
+    cache.add((9, 9, 9, 9), "kv4")  # over max_entries: the least recently used goes
+    assert list(cache.entries) == [tuple(long), (9, 9, 9, 9)]
+    assert cache.get(tuple(long)) == "kv20" and cache.hits == 1 and cache.tokens_saved == 20

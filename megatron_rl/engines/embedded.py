@@ -649,7 +649,7 @@ class EmbeddedServer:
         return tags
 
     async def _flush(self, request: web.Request) -> web.Response:
-        # no prefix cache is kept between requests, so there is nothing to drop
+        await self._call(self.core.flush_cache, "flush_cache")
         return web.Response(text="Cache flushed.\n", status=200)
 
     async def _chat(self, request: web.Request) -> web.Response:

@@ -29,6 +29,7 @@ import torch
 
 from megatron_rl.checkpoint.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
 from megatron_rl.engines.base import MEMORY_TAGS  # SGLang's tags; none given = all
+from megatron_rl.engines.prefix_cache import PrefixCache
 from megatron_rl.engines.shared_weights import SharedWeightStore
 
 log = logging.getLogger(__name__)
@@ -386,7 +387,8 @@ class EmbeddedCore:
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, weight_version: int = 0,
                  max_batch_size: int = 32, return_original_logprob: bool = False,
                  context_length: int | None = None,
-                 prefill_call_tokens: int = PREFILL_CALL_TOKENS, threads: int | None = None):
+                 prefill_call_tokens: int = PREFILL_CALL_TOKENS, threads: int | None = None,
+                 prefix_cache: bool = True):
         self.model = model.eval()
         self.fused_norms = fuse_rms_norms(model)
         # intra-op threads of the engine's own thread (OpenMP's setting is per thread). A tiny
@@ -425,6 +427,10 @@ class EmbeddedCore:
         self.decode_step = lean_decode(model) if self.attention == "bias" else None
         self.dtype = next(model.parameters()).dtype
         self.inference_mode = keeps_no_state(model)
+        # prompts' shared prefixes run once (prefix_cache.py): where the engine passes the
+        # padding as a bias, so a pass may hold its rows' padding between prefix and suffix
+        self.prefixes = (PrefixCache() if prefix_cache and self.attention == "bias"
+                         and plain_attention_cache(model) else None)
         self.rids: set[str] = set()
         self.inbox: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
@@ -605,37 +611,88 @@ class EmbeddedCore:
     def _prefill(self, group: list[Seq]) -> None:
         # a retracted request comes back with its output so far: prefill prompt + output
         toks = [s.prompt + s.out for s in group]
-        # rows of similar lengths are prefilled together, so no pass pays for a long prompt's
-        # padding on many short ones. All passes run before any row joins the batch: a failure
-        # leaves the running batch as it was (the caller then retries the rows one by one).
-        parts = [self._prefill_rows([group[i] for i in rows], [toks[i] for i in rows])
-                 for rows in prefill_buckets([len(t) for t in toks], self.prefill_call_tokens)]
+        # rows that share a cached prefix run after it; rows of similar lengths are prefilled
+        # together, so no pass pays for a long prompt's padding on many short ones. All passes
+        # run before any row joins the batch: a failure leaves the running batch as it was
+        # (the caller then retries the rows one by one).
+        by_prefix: dict[tuple[int, ...], list[int]] = {}
+        kvs: dict[tuple[int, ...], Any] = {}  # taken now: a later row's new prefix may evict
+        for i, s in enumerate(group):
+            key = self._prefix_of(toks[i], s)
+            if key:
+                kvs[key] = self.prefixes.get(key)
+            by_prefix.setdefault(key, []).append(i)
+        parts = []
+        for key, rows in by_prefix.items():
+            for bucket in prefill_buckets([len(toks[i]) - len(key) for i in rows],
+                                          self.prefill_call_tokens):
+                idx = [rows[b] for b in bucket]
+                parts.append(self._prefill_rows([group[i] for i in idx], [toks[i] for i in idx],
+                                                len(key), kvs.get(key)))
         self._merge(parts)
 
-    def _prefill_rows(self, seqs: list[Seq], toks: list[list[int]]) -> _Part:
-        """One left-padded prefill pass: samples each row's next token; returns the rows'
-        cache for `_merge`."""
+    def _prefix_of(self, toks: list[int], s: Seq) -> tuple[int, ...]:
+        """The cached prefix this prompt runs after (caching a new one first where the plan
+        says so); () for none. Not for rows that report routed experts (per token, prompt
+        included)."""
+        if self.prefixes is None or s.return_routed or self.attention != "bias":
+            return ()
+        have, new = self.prefixes.plan(toks)
+        if new:
+            self.prefixes.add(new, self._prefix_kv(new, have))
+            self.prefixes.tokens_computed += len(new) - len(have)
+            return new
+        return have
+
+    def _prefix_kv(self, key: tuple[int, ...], base: tuple[int, ...]) -> list[tuple[Any, Any]]:
+        """Per layer the (keys, values) [1, heads, len(key), dim] of `key`, run after the
+        cached `base`."""
         from transformers import DynamicCache
 
-        width = max(len(t) for t in toks)
-        pad = torch.tensor([width - len(t) for t in toks])
+        cache = DynamicCache(config=self.model.config)
+        if base:
+            for li, (k, v) in enumerate(self.prefixes.entries[base]):
+                cache.update(k, v, li)
+        ids = torch.tensor([key[len(base):]])
+        pos = torch.arange(len(base), len(key))[None]
+        _, cache, _ = self._forward(ids, None, pos, cache, False)
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def _prefill_rows(self, seqs: list[Seq], toks: list[list[int]], cached: int = 0,
+                      kv: list[tuple[Any, Any]] | None = None) -> _Part:
+        """One prefill pass over rows whose first `cached` tokens have the keys and values
+        `kv` (a cached prefix; then the pass holds [prefix, padding, suffix] and moves the
+        padding first): samples each row's next token; returns the rows' cache, right-aligned
+        after left padding, for `_merge`."""
+        from transformers import DynamicCache
+
+        sufs = [t[cached:] for t in toks]
+        width = max(len(t) for t in sufs)
+        pad = torch.tensor([width - len(t) for t in sufs])
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, t in enumerate(toks):
+        for i, t in enumerate(sufs):
             ids[i, width - len(t):] = torch.tensor(t)
-        pos = (torch.arange(width) - pad[:, None]).clamp(min=0)
-        mask, bias = self._masks(pad, width, prefill=True)
+        pos = (torch.arange(width) - pad[:, None]).clamp(min=0) + cached
+        # the model's own layer kinds: Qwen3.5's Gated DeltaNet layers keep recurrent states
+        cache = DynamicCache(config=self.model.config)
+        if kv is None:
+            mask, bias = self._masks(pad, width, prefill=True)
+        else:
+            for li, (k, v) in enumerate(kv):
+                cache.update(k.expand(len(seqs), -1, -1, -1), v.expand(len(seqs), -1, -1, -1), li)
+            mask, bias = None, (pad_bias(pad, width, self.dtype, skip=cached)
+                                if bool(pad.any()) else None)
         routed = any(s.return_routed for s in seqs)
         self.stepping = seqs
-        # the model's own layer kinds: Qwen3.5's Gated DeltaNet layers keep recurrent states
-        logits, cache, experts = self._forward(ids, mask, pos,
-                                               DynamicCache(config=self.model.config), routed,
-                                               bias)
+        logits, cache, experts = self._forward(ids, mask, pos, cache, routed, bias)
+        if kv is not None and bool(pad.any()):
+            _padding_first(cache, pad, cached)
         if experts is not None:
             for i, s in enumerate(seqs):
                 s.routed = list(experts[i, width - len(toks[i]):].numpy().astype(np.int32))
         self._sample(seqs, logits)
         keep = [i for i, s in enumerate(seqs) if s.finish is None]
-        return [seqs[i] for i in keep], keep, cache, pad, width
+        return [seqs[i] for i in keep], keep, cache, pad, cached + width
 
     def _masks(self, pad: torch.Tensor, cols: int, prefill: bool
                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -943,8 +1000,18 @@ class EmbeddedCore:
                 raise BadRequest(f"checkpoint leaves {len(gaps)} weights unset, e.g. "
                                  f"'{gaps[0]}'")
         self.weights.load(named)
+        self._weights_changed()
         self.set_version(version)
         self.control_log.append(("load_weights", tuple(sorted(self.released_tags))))
+
+    def _weights_changed(self) -> None:
+        if self.prefixes is not None:  # their keys and values came from the old weights
+            self.prefixes.clear()
+
+    def flush_cache(self) -> None:
+        """SGLang's /flush_cache: drop the cached prefixes and the prompts they came from."""
+        if self.prefixes is not None:
+            self.prefixes.clear(recent=True)
 
     def share_weights(self) -> dict[str, Any]:
         """Move the parameters into shared memory (once) and return its layout, so a trainer on
@@ -970,6 +1037,7 @@ class EmbeddedCore:
             raise BadRequest("no shared-weights write is open: POST /shared_weights/begin first")
         if version is not None:
             self._check_version(version)
+        self._weights_changed()
         self.set_version(version)
         self.writing = False
         self.control_log.append(("load_weights", tuple(sorted(self.released_tags))))
@@ -998,6 +1066,7 @@ class EmbeddedCore:
                 "running": {s.rid: len(s.out) for s in self.batch},
                 "max_running": self.max_running,
                 "waiting": [s.rid for s in self.pending],
+                "prefix_cache": self.prefixes.info() if self.prefixes is not None else None,
                 "return_original_logprob": self.return_original_logprob,
                 "context_length": self.context_length}
 
@@ -1145,12 +1214,37 @@ def _grown(x: torch.Tensor, used: int, cap: int) -> torch.Tensor:
     return out
 
 
-def pad_bias(pad: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, 1, 1, cols] additive attention mask: the dtype's minimum on each row's first
-    `pad` columns, 0 elsewhere. Not -inf: a query row that sees only padding must still give
-    finite values (a left-padded prefill's pad rows), or NaNs reach the cache."""
-    cut = (torch.arange(cols) < pad[:, None])[:, None, None, :]
-    return torch.zeros(len(pad), 1, 1, cols, dtype=dtype).masked_fill_(cut, torch.finfo(dtype).min)
+def pad_bias(pad: torch.Tensor, cols: int, dtype: torch.dtype, skip: int = 0) -> torch.Tensor:
+    """[rows, 1, 1, skip + cols] additive attention mask: the dtype's minimum on each row's
+    `pad` columns after the first `skip`, 0 elsewhere. Not -inf: a query row that sees only
+    padding must still give finite values (a left-padded prefill's pad rows), or NaNs reach
+    the cache."""
+    col = torch.arange(cols)[None] < pad[:, None]
+    cut = torch.cat([torch.zeros(len(pad), skip, dtype=torch.bool), col], 1)[:, None, None, :]
+    return torch.zeros(cut.shape, dtype=dtype).masked_fill_(cut, torch.finfo(dtype).min)
+
+
+def _padding_first(cache: Any, pad: torch.Tensor, cached: int) -> None:
+    """A pass run after a cached prefix holds each row as [prefix, padding, suffix]: move the
+    padding columns first, as every other pass leaves its rows (keys carry their positions:
+    the order of the columns is the mask's business only)."""
+    layers = cache.layers
+    b, heads, cols, dim = layers[0].keys.shape
+    c, p = torch.arange(cols)[None], pad[:, None]
+    src = torch.where(c < p, cached + c, torch.where(c < p + cached, c - p, c))
+    idx = src[:, None, :, None].expand(b, heads, cols, dim)
+    for layer in layers:
+        layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+
+
+def plain_attention_cache(model: torch.nn.Module) -> bool:
+    """Every layer of the model's cache is transformers' plain full-attention layer (no
+    sliding window, no recurrent state): the ones a cached prefix can be put in front of."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer
+               for layer in DynamicCache(config=model.config).layers)
 
 
 def prefill_buckets(lengths: list[int], call_tokens: int) -> list[list[int]]:
