@@ -2,11 +2,12 @@
 to serve the same episodes, and the greedy outputs compared. Goal: >= 1.15x.
 
 The model is the quickstart's policy shape (`tiny-moe-agent` over its 34,048-id vocabulary, tied
-embeddings), seeded and random. The stream is IterSynth's shape in the quickstart: `--episodes` episodes in flight, each
-`--turns` turns that alternate a Planner prompt (a 176-token system prompt, the question, a
-summary) and a Synthesizer prompt (a 185-token one, the question, an observation), each turn
-submitted when the episode's last one finished, `--new-tokens` greedy tokens a turn. Both
-engines serve the same seeded fp32 model on one thread, interleaved, best of `--repeats`.
+embeddings), seeded and random. The stream is IterSynth's shape in the quickstart: `--episodes`
+episodes in flight, each `--turns` turns that alternate a Planner prompt (a 176-token system
+prompt, the question, a summary) and a Synthesizer prompt (a 185-token one, the question, an
+observation), each turn submitted when the episode's last one finished, `--new-tokens` greedy
+tokens a turn. Both engines serve the same model on one thread, interleaved, best of
+`--repeats`.
 
     taskset -c 0 .venv/bin/python benchmarks/prefix_cache.py [--model tiny-moe-agent]
         [--vocab 34048]
@@ -105,8 +106,8 @@ def measure(model: str = "tiny-moe-agent", vocab: int = 34048, n_episodes: int =
     prompt_tokens = sum(len(p) for ep in eps for p in ep)
     ratio = min(times["off"]) / min(times["on"])
     same = sum(a == b for a, b in zip(outs["off"], outs["on"], strict=True))
-    print(f"{model} ({vocab} ids): {n_episodes} episodes x {turns} turns, {prompt_tokens} prompt tokens, "
-          f"{new_tokens} new tokens a turn, one thread, best of {repeats}")
+    print(f"{model} ({vocab} ids): {n_episodes} episodes x {turns} turns, {prompt_tokens} "
+          f"prompt tokens, {new_tokens} new tokens a turn, one thread, best of {repeats}")
     print(f"  without the prefix cache {min(times['off']):.2f} s, with it "
           f"{min(times['on']):.2f} s: {ratio:.2f}x; greedy outputs equal in {same}/{len(eps)} "
           f"episodes")

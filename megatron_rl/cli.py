@@ -564,6 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--engine-threads", dest="engine_threads", type=int, default=1,
                     help="--model-dir: intra-op threads of the embedded engine (0: torch's "
                     "default; a tiny model decodes fastest on 1)")
+    ev.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                    help="--model-dir: the engine runs every prompt in full")
     ev.add_argument("--max-turns", dest="max_turns", type=int, default=8)
     ev.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=2048)
     ev.add_argument("--retries", type=int, default=1)

@@ -38,6 +38,7 @@ class EvalConfig:
     limit: int | None = None
     concurrency: int = 8
     engine_threads: int = 1  # --model-dir: the engine's intra-op threads (tiny models: 1)
+    prefix_cache: bool = True  # --model-dir: the engine runs shared prompt prefixes once
     max_turns: int = 8
     max_new_tokens: int = 2048
     tool_specs: bool = True  # the tools' schemas in the system prompt (as the policy trained)
@@ -161,7 +162,8 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
         model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_dir,
                                                                   local_files_only=True)
         server = EmbeddedServer(model, tokenizer, max_batch_size=cfg.concurrency,
-                                threads=cfg.engine_threads or None).start()
+                                threads=cfg.engine_threads or None,
+                                prefix_cache=cfg.prefix_cache).start()
         engine: Any = HttpEngine(server.url)
     elif cfg.model_url:
         engine = OpenAIChatEngine(ChatClient(ClientConfig(

@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import random
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -522,15 +521,19 @@ def test_chat_completions_serve_as_a_judge(model) -> None:
 
 
 def test_cli_serves_a_model_directory(model, tmp_path) -> None:
+    from megatron_rl.engines.kinds import EngineSpec
+
     model.save_pretrained(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.engines.embedded",
-                             "--model", str(tmp_path), "--port", "0", "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    spec = EngineSpec(model_path=str(tmp_path), threads=1, prefix_cache=False)
+    argv, _, _ = spec.engine_kind().command(spec, "127.0.0.1", 0)
+    assert "--no-prefix-cache" in argv  # rollout.prefix_cache=false reaches the server
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         url = proc.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:")
         (res,) = run(generate(url, GenerateRequest("cli", PROMPTS[0], greedy(8))))
         assert res.output_ids == hf_greedy(model, PROMPTS[0], 8)
+        assert run(server_info(url))["prefix_cache"] is None
     finally:
         proc.terminate()
         proc.wait(timeout=30)

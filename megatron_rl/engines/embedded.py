@@ -142,11 +142,12 @@ class EmbeddedServer:
                  context_length: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
                  max_weight_body_bytes: int = DEFAULT_MAX_WEIGHT_BODY,
                  control_timeout_s: float = 120.0, shutdown_timeout_s: float = 2.0,
-                 threads: int | None = None):
+                 threads: int | None = None, prefix_cache: bool = True):
         self.core = EmbeddedCore(model, tokenizer, weight_version=weight_version,
                                  max_batch_size=max_batch_size,
                                  return_original_logprob=return_original_logprob,
-                                 context_length=context_length, threads=threads)
+                                 context_length=context_length, threads=threads,
+                                 prefix_cache=prefix_cache)
         self.tokenizer = tokenizer
         self.host, self.port = host, port
         self.model_path = model_path
@@ -717,6 +718,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=0,
                    help="intra-op threads of the generation loop (0: torch's default)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="run every prompt in full (no shared prefixes kept between requests)")
     p.add_argument("--return-original-logprob", action="store_true",
                    help="log-probs of the raw logits (SGLANG_RETURN_ORIGINAL_LOGPROB)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY / MiB,
@@ -737,7 +740,8 @@ def main(argv: list[str] | None = None) -> None:
               return_original_logprob=args.return_original_logprob,
               max_body_bytes=int(args.max_body_mb * MiB),
               max_weight_body_bytes=int(args.max_weight_body_mb * MiB),
-              control_timeout_s=args.control_timeout_s, threads=args.threads or None)
+              control_timeout_s=args.control_timeout_s, threads=args.threads or None,
+              prefix_cache=not args.no_prefix_cache)
     if args.model:
         server = EmbeddedServer.from_pretrained(args.model, **kw)
     else:

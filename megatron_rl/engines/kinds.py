@@ -64,6 +64,7 @@ class EmbeddedKind:
                "--port", str(port), "--weight-version", str(spec.weight_version),
                "--max-batch-size", str(spec.max_batch_size), "--threads", str(spec.threads),
                "--control-timeout-s", str(spec.control_timeout_s)]
+        cmd += [] if spec.prefix_cache else ["--no-prefix-cache"]
         cmd += (["--model", str(spec.model_path)] if spec.model_path
                 else ["--random-init", str(spec.random_init), "--seed", str(spec.seed)])
         return cmd, {}, None
@@ -111,6 +112,7 @@ class EngineSpec:
     weight_version: int = 0                 # the version the server starts at
     max_batch_size: int = 32                # embedded
     threads: int = 0                        # embedded: generation threads (0: torch's)
+    prefix_cache: bool = True               # embedded: shared prompt prefixes run once
     gpus: int = 0                           # sglang: TP size
     colocated: bool = False                 # sglang: memory saver for release/resume
     sglang: dict[str, Any] = field(default_factory=dict)  # more SGLangConfig fields

@@ -84,7 +84,8 @@ def start_engines(cfg: Config, spec: Any, tokenizer: Any,
                              "rollout.aux_pools need rollout.ray=true")
         model = transformers.AutoModelForCausalLM.from_config(spec.hf_config())
         server = EmbeddedServer(model, tokenizer, max_batch_size=ro.max_batch_size,
-                                threads=engine_threads(ro)).start()
+                                threads=engine_threads(ro),
+                                prefix_cache=ro.prefix_cache).start()
         return Engines(HttpEngine(server.url), [server.url], {}, None, server.core, server.stop)
     import ray
 
