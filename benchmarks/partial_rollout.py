@@ -194,29 +194,45 @@ class EngineMeter:
     def __init__(self, core: Any):
         for name in self.FIELDS:
             setattr(self, name, 0)
-        sample, forward, prefill_rows = core._sample, core._forward, core._prefill_rows
+        self.prefilling = False
+        sample, forward = core._sample, core._forward
+        prefill_rows, prefix_kv = core._prefill_rows, core._prefix_kv
 
         def counted(seqs: list[Any], logits: Any) -> None:
             self.n += len(seqs)
             self.passes += 1
             sample(seqs, logits)
 
-        def timed(ids: Any, mask: Any, pos: Any, cache: Any, *rest: Any) -> Any:
-            prefill = cache.get_seq_length() == 0  # a prefill pass gets a fresh cache
+        def timed(*args: Any) -> Any:
             t0 = time.perf_counter()
-            out = forward(ids, mask, pos, cache, *rest)
-            if prefill:
+            out = forward(*args)
+            if self.prefilling:
                 self.prefill_s += time.perf_counter() - t0
             else:
                 self.decode_s += time.perf_counter() - t0
             return out
 
-        def prefilled(seqs: list[Any], toks: list[list[int]]) -> Any:
-            self.prefill_slots += len(toks) * max(len(t) for t in toks)  # rows x longest
-            self.prefill_tokens += sum(len(t) for t in toks)
-            return prefill_rows(seqs, toks)
+        def prefilling(fn: Any, *args: Any) -> Any:
+            self.prefilling = True
+            try:
+                return fn(*args)
+            finally:
+                self.prefilling = False
 
-        core._sample, core._forward, core._prefill_rows = counted, timed, prefilled
+        def prefilled(seqs: list[Any], toks: list[list[int]], cached: int = 0,
+                      kv: Any = None) -> Any:
+            # what the pass runs: rows x its longest suffix after a cached prefix
+            self.prefill_slots += len(toks) * (max(len(t) for t in toks) - cached)
+            self.prefill_tokens += sum(len(t) - cached for t in toks)
+            return prefilling(prefill_rows, seqs, toks, cached, kv)
+
+        def prefix(key: tuple[int, ...], base: tuple[int, ...]) -> Any:
+            self.prefill_slots += len(key) - len(base)
+            self.prefill_tokens += len(key) - len(base)
+            return prefilling(prefix_kv, key, base)
+
+        core._sample, core._forward = counted, timed
+        core._prefill_rows, core._prefix_kv = prefilled, prefix
 
     def snapshot(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in self.FIELDS}

@@ -845,7 +845,7 @@ def test_prompts_sharing_a_prefix_run_it_once_and_keep_generates_outputs(model) 
     info = core.prefixes.info()
     # the system prompt (60 tokens) from the second prompt on; the question (100) once it
     # repeats, its copy taking all but its last token (99)
-    assert set(map(len, core.prefixes.entries)) == {60, 99}
+    assert set(map(len, core.prefixes.shared_runs)) == {60, 99}
     assert info["hits"] == 6 and info["tokens_saved"] == 60 * 4 + 99 * 2
     assert info["tokens_computed"] == 99
 
@@ -868,38 +868,72 @@ def test_a_weight_update_or_flush_drops_the_cached_prefixes(model, tmp_path) -> 
         return [s.future.result(timeout=0)["output_ids"] for s in seqs]
 
     assert generate_all("a") == [hf_greedy(model, p, 5) for p in prompts]
-    assert len(core.prefixes.entries) == 1
+    assert len(core.prefixes.shared_runs) == 1 and len(core.prefixes.finished) == 2
     ref = perturbed(model)
     core.load_weights(checkpoint_tensors(ref, tmp_path / "new"), version=1)
-    assert not core.prefixes.entries
+    assert not core.prefixes.shared_runs and not core.prefixes.finished
     hits = core.prefixes.hits
     # the same prompts again: each repeats one seen before, so all of it but its last token
     # is cached anew (from the new weights) and taken
     assert generate_all("b") == [hf_greedy(ref, p, 5) for p in prompts]
-    assert sorted(map(len, core.prefixes.entries)) == [52, 58]
+    assert sorted(map(len, core.prefixes.shared_runs)) == [52, 58]
     assert core.prefixes.hits == hits + 2
     core.flush_cache()  # and the prompts seen: the next ones start cold
-    assert not core.prefixes.entries and not core.prefixes.recent
+    assert not (core.prefixes.shared_runs or core.prefixes.finished or core.prefixes.recent)
+
+
+def test_a_turn_that_extends_a_finished_request_runs_only_its_new_tokens(model) -> None:
+    """A ReAct turn's prompt is the last prompt, its output and the tool's answer: the finished
+    request's keys and values are kept, and the next turn runs after them."""
+    rng = random.Random(7)
+    first = [rng.randrange(1, 512) for _ in range(40)]
+    core = EmbeddedCore(copy.deepcopy(model))
+    turns, prompt = [], first
+    with torch.no_grad():
+        for t in range(3):
+            s = core_seq(f"t{t}", prompt, 6)
+            core.pending.append(s)
+            while core.batch or core.pending:
+                step(core)
+            out = s.future.result(timeout=0)["output_ids"]
+            assert out == hf_greedy(model, prompt, 6)
+            assert max_diff(s.logprobs, full_logprobs(model, prompt, out)) < TOL
+            turns.append(len(prompt))
+            prompt = [*prompt, *out, *[rng.randrange(1, 512) for _ in range(9)]]
+    # turns 2 and 3 took their last turn's prompt and output but its last token
+    info = core.prefixes.info()
+    assert info["hits"] == 2 and info["tokens_saved"] == sum(n + 5 for n in turns[:2])
+    assert info["finished"] == 3 and info["shared_runs"] == 0
 
 
 def test_the_prefix_cache_keeps_prefixes_shared_with_recent_prompts() -> None:
     from megatron_rl.engines.prefix_cache import PrefixCache
 
-    cache = PrefixCache(min_tokens=4, max_entries=2, recent=2)
+    def kv(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:  # 8 bytes a token
+        return [(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1))]
+
+    cache = PrefixCache(min_tokens=4, recent=2, max_bytes=8 * 30)
     a = [1, 2, 3, 4, 5, 6, 7, 8]
     assert cache.plan(a) == ((), ())  # nothing seen yet
     assert cache.plan([1, 2, 3, 4, 5, 9]) == ((), (1, 2, 3, 4, 5))
-    cache.add((1, 2, 3, 4, 5), "kv5")
+    assert cache.add((1, 2, 3, 4, 5), kv(5))
     # 7 shared with `a`: 2 more than the cached 5, fewer than min_tokens more
     assert cache.plan([1, 2, 3, 4, 5, 6, 7, 0]) == ((1, 2, 3, 4, 5), ())
-    # the same prompt again: all but its last token, which must run for the next one's logits
     assert cache.plan(list(a)) == ((1, 2, 3, 4, 5), ())  # a left the 2 recent prompts
-    assert cache.plan(list(a)) == ((1, 2, 3, 4, 5), ())  # 7 shared: < 5 + 4
     long = list(range(100, 120))
     cache.plan(long)
+    # the same prompt again: all but its last token, which must run for the next one's logits
     assert cache.plan([*long, 1]) == ((), tuple(long))
-    assert cache.longest([1, 2, 3, 4, 5]) == ()  # a prompt that is the prefix: nothing to run
-    cache.add(tuple(long), "kv20")
-    cache.add((9, 9, 9, 9), "kv4")  # over max_entries: the least recently used goes
-    assert list(cache.entries) == [tuple(long), (9, 9, 9, 9)]
-    assert cache.get(tuple(long)) == "kv20" and cache.hits == 1 and cache.tokens_saved == 20
+    assert cache.longest([1, 2, 3, 4, 5]) == ()  # the prompt is the prefix: nothing to run
+    assert cache.add(tuple(long), kv(20)) and cache.bytes == 8 * 25
+    # a finished request's tokens go first when the budget is short, then the oldest runs
+    assert cache.add((7, 7, 7, 7), kv(4), finished=True)
+    assert list(cache.finished) == [(7, 7, 7, 7)] and cache.bytes == 8 * 29
+    assert cache.add((9, 9, 9, 9), kv(4))
+    assert not cache.finished and cache.bytes == 8 * 29
+    assert cache.add((8, 8, 8, 8), kv(4))
+    assert list(cache.shared_runs) == [tuple(long), (9, 9, 9, 9), (8, 8, 8, 8)]
+    assert cache.bytes == 8 * 28
+    assert not cache.add((5,) * 31, kv(31))  # alone over the budget: not kept
+    assert cache.get(tuple(long)) is cache.kv(tuple(long))
+    assert cache.hits == 1 and cache.tokens_saved == 20

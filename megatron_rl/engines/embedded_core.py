@@ -639,9 +639,9 @@ class EmbeddedCore:
             return ()
         have, new = self.prefixes.plan(toks)
         if new:
-            self.prefixes.add(new, self._prefix_kv(new, have))
             self.prefixes.tokens_computed += len(new) - len(have)
-            return new
+            if self.prefixes.add(new, self._prefix_kv(new, have)):
+                return new
         return have
 
     def _prefix_kv(self, key: tuple[int, ...], base: tuple[int, ...]) -> list[tuple[Any, Any]]:
@@ -651,7 +651,7 @@ class EmbeddedCore:
 
         cache = DynamicCache(config=self.model.config)
         if base:
-            for li, (k, v) in enumerate(self.prefixes.entries[base]):
+            for li, (k, v) in enumerate(self.prefixes.kv(base)):
                 cache.update(k, v, li)
         ids = torch.tensor([key[len(base):]])
         pos = torch.arange(len(base), len(key))[None]
@@ -875,6 +875,8 @@ class EmbeddedCore:
         n = sum(s.finish is None for s in self.batch)
         if n == len(self.batch):
             return
+        if self.prefixes is not None:
+            self._keep_finished()
         if not n:
             self.batch = []
             self._drop_kv()
@@ -894,6 +896,20 @@ class EmbeddedCore:
                     layer.keep_rows(dst, src, n)
         self.batch = [self.batch[i] for i in order]
         self._set_pad(self.pad[torch.tensor(order)], self.width)
+
+    def _keep_finished(self) -> None:
+        """The KV of requests that finished (prompt and output, but the last token, which no
+        step has fed yet) as cached prefixes: an agent's next turn extends them."""
+        for i, s in enumerate(self.batch):
+            n = self.width - int(self.pad[i])
+            toks = (s.prompt + s.out)[:n]
+            if (s.finish is None or s.finish.get("type") == "error" or s.return_routed
+                    or n < self.prefixes.min_tokens or len(toks) != n):
+                continue
+            self.prefixes.add(tuple(toks), [
+                (layer.keys[i:i + 1, :, self.width - n:].clone(),
+                 layer.values[i:i + 1, :, self.width - n:].clone())
+                for layer in self.cache.layers], finished=True)
 
     def _set_pad(self, pad: torch.Tensor, width: int) -> None:
         self.pad, self.width, self.padded = pad, width, bool(pad.any())

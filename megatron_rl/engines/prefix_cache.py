@@ -1,12 +1,17 @@
-"""Shared prompt prefixes for the embedded engine: which prefix of a prompt to take from cache.
+"""Cached prompt prefixes for the embedded engine: which prefix of a prompt runs from cache.
 
-Agents send many prompts that start alike: every IterSynth Planner prompt opens with the same
-system prompt (176 of its ~230 tokens in the quickstart's RL), the samples of a group repeat
-the question. SGLang keeps a radix tree of every prompt's KV; this keeps what such prompts
-share, found by comparing each prompt with the last `recent` ones: a prefix shared with one of
-them, at least `min_tokens` longer than the longest cached prefix of the prompt, is cached
-(its KV extends that one's). The engine computes and stores the KV; this class only decides
-and keeps entries (least recently used first out). Weight updates clear it.
+SGLang keeps a radix tree of every request's KV. Agents need two parts of that:
+- **Shared openings.** Every IterSynth Planner prompt opens with the same system prompt (176 of
+  its ~230 tokens in the quickstart's RL); the samples of a group repeat the question. Each
+  prompt is compared with the last `recent` ones: a run it shares with one of them, at least
+  `min_tokens` longer than the longest cached prefix it has, is cached (its KV computed after
+  that one's).
+- **Continuations.** A ReAct turn's prompt is the last turn's prompt, its output and the tool's
+  answer: a finished request's KV (prompt and output) is kept, so the next turn runs only the
+  new tokens.
+The engine computes and stores the KV; this class decides and keeps entries within a byte
+budget, least recently used out first (finished requests before shared openings). Weight
+updates clear it.
 """
 
 from __future__ import annotations
@@ -17,34 +22,52 @@ from typing import Any
 import numpy as np
 
 PREFIX_MIN_TOKENS = 32  # a shorter shared run costs a pass of its own for little
-PREFIX_ENTRIES = 64
 PREFIX_RECENT = 64
+PREFIX_CACHE_BYTES = 256 << 20  # the tiny models' KV is 4 KB a token: ~65k tokens
+
+
+def kv_bytes(kv: Any) -> int:
+    """Bytes of a per-layer list of (keys, values) tensors."""
+    return sum(t.numel() * t.element_size() for pair in kv for t in pair)
 
 
 class PrefixCache:
-    def __init__(self, min_tokens: int = PREFIX_MIN_TOKENS, max_entries: int = PREFIX_ENTRIES,
-                 recent: int = PREFIX_RECENT):
-        self.min_tokens, self.max_entries = min_tokens, max_entries
-        self.entries: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()
+    def __init__(self, min_tokens: int = PREFIX_MIN_TOKENS, recent: int = PREFIX_RECENT,
+                 max_bytes: int = PREFIX_CACHE_BYTES):
+        self.min_tokens, self.max_bytes = min_tokens, max_bytes
+        # token prefix -> per-layer (keys, values) [1, heads, len, dim]
+        self.shared_runs: collections.OrderedDict[tuple[int, ...], Any] = (
+            collections.OrderedDict())
+        self.finished: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()
         self.recent: collections.deque[np.ndarray] = collections.deque(maxlen=recent)
+        self.bytes = 0
         self.hits = 0          # prompts that took a cached prefix
         self.tokens_saved = 0  # prompt tokens those prefixes covered
-        self.tokens_computed = 0  # tokens run to build entries
+        self.tokens_computed = 0  # tokens run to build shared entries
 
     def clear(self, recent: bool = False) -> None:
         """Drop every entry (the weights changed: the recent prompts, tokens, stay valid), and
         with `recent` the recent prompts too (a flush: the next prompts start cold)."""
-        self.entries.clear()
+        self.shared_runs.clear()
+        self.finished.clear()
+        self.bytes = 0
         if recent:
             self.recent.clear()
+
+    def _pool(self, key: tuple[int, ...]) -> collections.OrderedDict:
+        return self.shared_runs if key in self.shared_runs else self.finished
 
     def longest(self, toks: list[int]) -> tuple[int, ...]:
         """The longest cached prefix of `toks` that leaves at least one token to run (its logits
         are the next token's); () for none."""
         best: tuple[int, ...] = ()
-        for key in self.entries:
-            if len(best) < len(key) < len(toks) and tuple(toks[:len(key)]) == key:
-                best = key
+        for pool in (self.shared_runs, self.finished):
+            for key in pool:
+                n = len(key)
+                # the last token first: most keys differ there, and it costs no copy
+                if (len(best) < n < len(toks) and toks[n - 1] == key[-1]
+                        and tuple(toks[:n]) == key):
+                    best = key
         return best
 
     def shared(self, toks: list[int]) -> int:
@@ -60,28 +83,42 @@ class PrefixCache:
         return min(best, len(toks) - 1)
 
     def plan(self, toks: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(cached prefix to use, new prefix to cache first or ()): the new one extends the
-        cached one by at least `min_tokens` tokens."""
+        """(cached prefix to use, new shared run to cache first or ()): the new one extends
+        the cached one by at least `min_tokens` tokens."""
         have = self.longest(toks)
         n = self.shared(toks)
         if n >= len(have) + self.min_tokens:
             return have, tuple(toks[:n])
         return have, ()
 
-    def add(self, key: tuple[int, ...], kv: Any) -> None:
-        self.entries[key] = kv
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.max_entries:
-            self.entries.popitem(last=False)
+    def add(self, key: tuple[int, ...], kv: Any, finished: bool = False) -> bool:
+        """Keep `kv` for `key` (a shared run, or a finished request's tokens); False where it
+        alone exceeds the budget."""
+        size = kv_bytes(kv)
+        if size > self.max_bytes:
+            return False
+        pool = self.finished if finished else self.shared_runs
+        if key in self.shared_runs or key in self.finished:
+            self.bytes -= kv_bytes(self._pool(key).pop(key))
+        pool[key] = kv
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            old = self.finished if self.finished else self.shared_runs
+            self.bytes -= kv_bytes(old.popitem(last=False)[1])
+        return True
+
+    def kv(self, key: tuple[int, ...]) -> Any:
+        return self._pool(key)[key]
 
     def get(self, key: tuple[int, ...]) -> Any:
         """An entry's KV, for one prompt (counted, marked used)."""
-        self.entries.move_to_end(key)
+        pool = self._pool(key)
+        pool.move_to_end(key)
         self.hits += 1
         self.tokens_saved += len(key)
-        return self.entries[key]
+        return pool[key]
 
     def info(self) -> dict[str, Any]:
-        return {"entries": len(self.entries), "hits": self.hits,
-                "tokens_saved": self.tokens_saved, "tokens_computed": self.tokens_computed,
-                "cached_tokens": sum(map(len, self.entries))}
+        return {"shared_runs": len(self.shared_runs), "finished": len(self.finished),
+                "bytes": self.bytes, "hits": self.hits, "tokens_saved": self.tokens_saved,
+                "tokens_computed": self.tokens_computed}
