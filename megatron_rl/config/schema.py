@@ -364,8 +364,9 @@ class RolloutConfig:
                              "+ weight_scale_inv, for engines serving an FP8 checkpoint "
                              "(docs/fp8.md)")
     max_batch_size: int = bounded(32, ge=1, help="embedded engine: running requests")
-    prefix_cache: bool = bounded(True, help="embedded engines: prompts' shared prefixes run "
-                                 "once (engines/prefix_cache.py); SGLang keeps its radix cache")
+    prefix_cache: bool = bounded(True, help="embedded engines: prompts run after cached "
+                                 "prefixes, shared openings and finished requests "
+                                 "(engines/prefix_cache.py); SGLang keeps its radix cache")
     max_restarts: int = bounded(5, ge=0, help="engine process restarts per engine")
     health_interval_s: float = bounded(2.0, gt=0, help="how often an idle engine is checked")
     startup_timeout_s: float = bounded(600.0, gt=0)

@@ -719,7 +719,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="intra-op threads of the generation loop (0: torch's default)")
     p.add_argument("--no-prefix-cache", action="store_true",
-                   help="run every prompt in full (no shared prefixes kept between requests)")
+                   help="run every prompt in full (no prefixes kept between requests)")
     p.add_argument("--return-original-logprob", action="store_true",
                    help="log-probs of the raw logits (SGLANG_RETURN_ORIGINAL_LOGPROB)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY / MiB,

@@ -427,8 +427,8 @@ class EmbeddedCore:
         self.decode_step = lean_decode(model) if self.attention == "bias" else None
         self.dtype = next(model.parameters()).dtype
         self.inference_mode = keeps_no_state(model)
-        # prompts' shared prefixes run once (prefix_cache.py): where the engine passes the
-        # padding as a bias, so a pass may hold its rows' padding between prefix and suffix
+        # cached prompt prefixes (prefix_cache.py): where the engine passes the padding as a
+        # bias, so a pass may hold its rows' padding between a cached prefix and the rest
         self.prefixes = (PrefixCache() if prefix_cache and self.attention == "bias"
                          and plain_attention_cache(model) else None)
         self.rids: set[str] = set()
