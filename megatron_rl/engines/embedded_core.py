@@ -689,7 +689,7 @@ class EmbeddedCore:
             _padding_first(cache, pad, cached)
         if experts is not None:
             for i, s in enumerate(seqs):
-                s.routed = list(experts[i, width - len(toks[i]):].numpy().astype(np.int32))
+                s.routed = list(experts[i, width - len(sufs[i]):].numpy().astype(np.int32))
         self._sample(seqs, logits)
         keep = [i for i, s in enumerate(seqs) if s.finish is None]
         return [seqs[i] for i in keep], keep, cache, pad, cached + width
@@ -901,10 +901,11 @@ class EmbeddedCore:
         """The KV of requests that finished (prompt and output, but the last token, which no
         step has fed yet) as cached prefixes: an agent's next turn extends them."""
         for i, s in enumerate(self.batch):
+            if s.finish is None or s.finish.get("type") == "error" or s.return_routed:
+                continue
             n = self.width - int(self.pad[i])
             toks = (s.prompt + s.out)[:n]
-            if (s.finish is None or s.finish.get("type") == "error" or s.return_routed
-                    or n < self.prefixes.min_tokens or len(toks) != n):
+            if n < self.prefixes.min_tokens or len(toks) != n:
                 continue
             self.prefixes.add(tuple(toks), [
                 (layer.keys[i:i + 1, :, self.width - n:].clone(),
