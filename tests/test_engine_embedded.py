@@ -34,6 +34,7 @@ from megatron_rl.engines.embedded_core import (
     prefill_buckets,
 )
 from megatron_rl.engines.http_client import HttpEngine
+from megatron_rl.engines.lean_decode import lean_decode
 from megatron_rl.engines.sglang_schema import TypeChecker
 from megatron_rl.engines.tensors import encode_safetensors
 from megatron_rl.models.registry import get_model_spec
@@ -745,14 +746,17 @@ def test_a_norm_of_another_formula_is_not_fused() -> None:
     assert embedded_core.fuse_rms_norms(model) == 0  # once is enough
 
 
-def test_decode_steps_run_the_layers_directly_only_where_that_is_exactly_the_model() -> None:
-    """Attention-only models decode through their own modules in order, skipping the forward
-    wrappers, and still write exactly `generate`'s tokens (padded rows joining and leaving);
-    a model whose lean path differs by a rounding is left on its own forward, as is the
-    hybrid (its recurrent layers want the padding mask)."""
-    model = hf_model("tiny-moe")
+@pytest.mark.parametrize("name,gated_delta", [("tiny-moe", 0), ("tiny-qwen3.5", 3)])
+def test_decode_steps_run_the_layers_directly_only_where_that_is_exactly_the_model(
+        name: str, gated_delta: int) -> None:
+    """Decode steps run the model's own modules in order, skipping the forward wrappers, and
+    the hybrid's Gated DeltaNet layers through the engine's single-step kernel, and still
+    write exactly `generate`'s tokens (padded rows joining and leaving); a model whose lean
+    path differs by a rounding is left on its own forward."""
+    model = hf_model(name)
     core = EmbeddedCore(model, max_batch_size=4)
     assert core.decode_step is not None
+    assert core.decode_step.gated_delta_layers == gated_delta
     calls = []
     lean = core.decode_step
     core.decode_step = lambda *a, **k: calls.append(a[0].shape[0]) or lean(*a, **k)
@@ -765,7 +769,14 @@ def test_decode_steps_run_the_layers_directly_only_where_that_is_exactly_the_mod
     assert [s.future.result(timeout=0)["output_ids"] for s in seqs] == [
         hf_greedy(model, p, 5 + i) for i, p in enumerate(prompts)]
     assert len(calls) >= 9 and max(calls) == 4  # every decode step, up to the full batch
-    assert EmbeddedCore(hf_model("tiny-qwen3.5")).decode_step is None
+    if gated_delta:  # transformers' decode kernel rounding otherwise: its own layers
+        import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as qwen35
+
+        with pytest.MonkeyPatch.context() as mp:
+            update = qwen35.causal_conv1d_update
+            mp.setattr(qwen35, "causal_conv1d_update", lambda *a, **k: update(*a, **k) + 1e-6)
+            assert lean_decode(model, "mask4d").gated_delta_layers == 0
+        return
 
     class SkewedHead(torch.nn.Linear):  # differs from the model's path on 2-D input only
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -775,7 +786,7 @@ def test_decode_steps_run_the_layers_directly_only_where_that_is_exactly_the_mod
     head = SkewedHead(odd.lm_head.in_features, odd.lm_head.out_features, bias=False)
     head.weight = odd.lm_head.weight
     odd.lm_head = head
-    assert embedded_core.lean_decode(odd) is None
+    assert lean_decode(odd) is None
     assert EmbeddedCore(odd).decode_step is None
 
 

@@ -29,6 +29,7 @@ import torch
 
 from megatron_rl.checkpoint.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
 from megatron_rl.engines.base import MEMORY_TAGS  # SGLang's tags; none given = all
+from megatron_rl.engines.lean_decode import lean_decode, pad_bias
 from megatron_rl.engines.prefix_cache import PrefixCache
 from megatron_rl.engines.shared_weights import SharedWeightStore
 
@@ -424,7 +425,7 @@ class EmbeddedCore:
         self.prefill_call_tokens = prefill_call_tokens
         self.attention = attention_mode(model)
         # decode steps through the decoder's layers directly, where that is exactly the model
-        self.decode_step = lean_decode(model) if self.attention == "bias" else None
+        self.decode_step = lean_decode(model, self.attention)
         self.dtype = next(model.parameters()).dtype
         self.inference_mode = keeps_no_state(model)
         # cached prompt prefixes (prefix_cache.py): where the engine passes the padding as a
@@ -565,8 +566,10 @@ class EmbeddedCore:
             # are mostly per-op overhead). Its tensors (logits, a prefill's cache, a grown
             # slab) are only read outside it: merge and retire copy them
             with torch.inference_mode(self.inference_mode):
-                if self.decode_step is not None and mask is None and ids.shape[1] == 1:
-                    last = self.decode_step(ids, pos, cache, **extra)  # writes cache
+                if self.decode_step is not None and ids.shape[1] == 1 and (
+                        mask is None or self.attention == "mask4d"):
+                    last = self.decode_step(ids, pos, cache, attention_mask=mask,
+                                            **extra)  # writes cache
                 else:
                     out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                      past_key_values=cache, use_cache=True, logits_to_keep=1,
@@ -1231,16 +1234,6 @@ def _grown(x: torch.Tensor, used: int, cap: int) -> torch.Tensor:
     return out
 
 
-def pad_bias(pad: torch.Tensor, cols: int, dtype: torch.dtype, skip: int = 0) -> torch.Tensor:
-    """[rows, 1, 1, skip + cols] additive attention mask: the dtype's minimum on each row's
-    `pad` columns after the first `skip`, 0 elsewhere. Not -inf: a query row that sees only
-    padding must still give finite values (a left-padded prefill's pad rows), or NaNs reach
-    the cache."""
-    col = torch.arange(cols)[None] < pad[:, None]
-    cut = torch.cat([torch.zeros(len(pad), skip, dtype=torch.bool), col], 1)[:, None, None, :]
-    return torch.zeros(cut.shape, dtype=dtype).masked_fill_(cut, torch.finfo(dtype).min)
-
-
 def _padding_first(cache: Any, pad: torch.Tensor, cached: int) -> None:
     """A pass run after a cached prefix holds each row as [prefix, padding, suffix]: move the
     padding columns first, as every other pass leaves its rows (keys carry their positions:
@@ -1301,54 +1294,6 @@ def attention_mode(model: torch.nn.Module) -> str:
         return "mask2d"
     recurrent = any(_is_recurrent(layer) for layer in DynamicCache(config=model.config).layers)
     return "bias" if impl == "sdpa" and not recurrent and _sdpa_takes_bias() else "mask4d"
-
-
-def lean_decode(model: torch.nn.Module) -> Callable[..., torch.Tensor] | None:
-    """A decode step (one new token per row, no attention mask) as the model's own modules in
-    order: embedding, rotary tables, each decoder layer, final norm, output layer; returns the
-    [rows, vocab] logits. It skips the model's forward wrappers (output capture, config
-    defaults, causal-mask building, output records): ~14 % of a tiny MoE's decode step. None
-    unless the model has that plain decoder layout and the probe finds its logits bit for bit
-    the model's own."""
-    inner = getattr(model, "model", None)
-    parts = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if inner is None or not all(hasattr(inner, p) for p in parts) or not hasattr(model,
-                                                                              "lm_head"):
-        return None
-    layers = list(inner.layers[:model.config.num_hidden_layers])
-
-    def step(ids: torch.Tensor, pos: torch.Tensor, cache: Any, **extra: Any) -> torch.Tensor:
-        h = inner.embed_tokens(ids)
-        rope = inner.rotary_emb(h, position_ids=pos)
-        for layer in layers:
-            h = layer(h, attention_mask=None, position_ids=pos, past_key_values=cache,
-                      use_cache=True, position_embeddings=rope, **extra)
-        return model.lm_head(inner.norm(h)[:, -1, :])
-
-    return step if _decodes_exactly(model, step) else None
-
-
-def _decodes_exactly(model: torch.nn.Module, step: Callable[..., torch.Tensor]) -> bool:
-    """Two rows prefilled, then one decode step both ways from copies of the cache."""
-    import copy
-
-    from transformers import DynamicCache
-
-    gen = torch.Generator().manual_seed(0)
-    vocab = int(model.config.vocab_size)
-    ids = torch.randint(0, vocab, (2, 5), generator=gen)
-    nxt = torch.randint(0, vocab, (2, 1), generator=gen)
-    pos = torch.full((2, 1), 5)
-    try:
-        with torch.no_grad():
-            cache = model(input_ids=ids, past_key_values=DynamicCache(config=model.config),
-                          use_cache=True).past_key_values
-            want = model(input_ids=nxt, position_ids=pos, past_key_values=copy.deepcopy(cache),
-                         use_cache=True).logits[:, -1, :]
-            got = step(nxt, pos, copy.deepcopy(cache))
-        return bool(torch.equal(want, got))
-    except Exception:  # another layer signature: the model's own forward
-        return False
 
 
 class FusedRMSNorm(torch.nn.Module):
