@@ -50,14 +50,13 @@ def lean_decode(model: torch.nn.Module, attention: str = "bias"
     recurrent = [kind == "linear_attention" for kind in kinds]
     lean_layers = [r and _gated_delta_layer(layer) for r, layer in zip(recurrent, layers,
                                                                         strict=True)]
-    # the rotary tables' positions: [rows, 1], or (Qwen3.5's multimodal RoPE) the text
-    # positions once per section, as its forward expands them
-    for own_kernels in sorted({any(lean_layers), False}, reverse=True):
+    # the Gated DeltaNet kernel where the layers allow it, else every layer as it is; the
+    # rotary tables' positions: [rows, 1], or (Qwen3.5's multimodal RoPE) the text positions
+    # once per section, as its forward expands them
+    for own in ([lean_layers, None] if any(lean_layers) else [None]):
         for sections in (None, 3):
-            step = _step(model, layers, recurrent, lean_layers if own_kernels else None,
-                         sections)
+            step = _step(model, layers, recurrent, own, sections)
             if _decodes_exactly(model, step, attention):
-                step.gated_delta_layers = sum(lean_layers) if own_kernels else 0  # type: ignore[attr-defined]
                 return step
     return None
 
@@ -80,6 +79,7 @@ def _step(model: torch.nn.Module, layers: list[torch.nn.Module], recurrent: list
                           position_embeddings=rope, **extra)
         return model.lm_head(inner.norm(h)[:, -1, :])
 
+    step.gated_delta_layers = sum(lean_layers or ())  # type: ignore[attr-defined]
     return step
 
 
