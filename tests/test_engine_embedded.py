@@ -790,6 +790,22 @@ def test_decode_steps_run_the_layers_directly_only_where_that_is_exactly_the_mod
     assert EmbeddedCore(odd).decode_step is None
 
 
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-qwen3.5"])
+def test_one_token_prompts_prefill_through_the_model(name: str) -> None:
+    """A one-token prompt's prefill is one token per row too, but on a cache that holds
+    nothing yet: the model's forward runs it (the decode step reads recurrent states that
+    only a prefill writes), and the tokens are `generate`'s."""
+    model = hf_model(name)
+    core = EmbeddedCore(model, max_batch_size=4)
+    seqs = [core_seq(f"o{i}", [t], 4) for i, t in enumerate((7, 9))]
+    with torch.no_grad():
+        core.pending.extend(seqs)
+        while core.batch or core.pending:
+            step(core)
+    assert [s.future.result(timeout=0)["output_ids"] for s in seqs] == [
+        hf_greedy(model, [t], 4) for t in (7, 9)]
+
+
 def test_the_engine_decodes_on_its_own_thread_count(model) -> None:
     """`threads` applies to the generation loop only (OpenMP's count is per thread): the
     caller's threads keep theirs."""

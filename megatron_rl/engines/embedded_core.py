@@ -551,8 +551,10 @@ class EmbeddedCore:
             s.future.set_exception(e)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor,
-                 cache: Any, routed: bool, bias: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+                 cache: Any, routed: bool, bias: torch.Tensor | None = None,
+                 decode: bool = False) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
+        """`decode`: one new token per row on a cache that holds the rows (`lean_decode`'s
+        step may run it); a prefill, one token long or not, runs the model's forward."""
         # router logits come from hooks on the routers, not `output_router_logits`: that also
         # computes the load-balancing loss, whose attention-mask shapes break on KV-cached
         # steps of more than one row
@@ -566,8 +568,7 @@ class EmbeddedCore:
             # are mostly per-op overhead). Its tensors (logits, a prefill's cache, a grown
             # slab) are only read outside it: merge and retire copy them
             with torch.inference_mode(self.inference_mode):
-                if self.decode_step is not None and ids.shape[1] == 1 and (
-                        mask is None or self.attention == "mask4d"):
+                if decode and self.decode_step is not None:
                     last = self.decode_step(ids, pos, cache, attention_mask=mask,
                                             **extra)  # writes cache
                 else:
@@ -731,7 +732,8 @@ class EmbeddedCore:
             routed = any(s.return_routed for s in batch)
             self.stepping = batch
             # the cache is written in place (SlabLayer)
-            logits, _, experts = self._forward(ids, mask, pos, self.cache, routed, bias)
+            logits, _, experts = self._forward(ids, mask, pos, self.cache, routed, bias,
+                                               decode=True)
             self.width += 1
             if experts is not None:
                 for i, s in enumerate(batch):
