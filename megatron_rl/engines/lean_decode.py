@@ -10,6 +10,7 @@ ops. It is used only where a probe finds its logits bit for bit the model's own.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -53,10 +54,11 @@ def lean_decode(model: torch.nn.Module, attention: str = "bias"
     # the Gated DeltaNet kernel where the layers allow it, else every layer as it is; the
     # rotary tables' positions: [rows, 1], or (Qwen3.5's multimodal RoPE) the text positions
     # once per section, as its forward expands them
+    cases = _probe_cases(model)
     for own in ([lean_layers, None] if any(lean_layers) else [None]):
         for sections in (None, 3):
             step = _step(model, layers, recurrent, own, sections)
-            if _decodes_exactly(model, step, attention):
+            if cases and _decodes_exactly(model, step, attention, cases):
                 return step
     return None
 
@@ -142,25 +144,24 @@ def gated_delta_decode(attn: torch.nn.Module, x: torch.Tensor, states: Any) -> t
     return attn.out_proj(core.reshape(rows, 1, -1))
 
 
+@functools.cache  # looked up per layer and decode step
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     from transformers.activations import ACT2FN
 
     return ACT2FN[name]
 
 
-def _decodes_exactly(model: torch.nn.Module, step: Callable[..., torch.Tensor],
-                     attention: str = "bias") -> bool:
-    """Two rows prefilled, then two decode steps both ways from copies of the cache, the
-    first row left-padded or not, the padding passed as the engine passes it."""
-    import copy
-
+def _probe_cases(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
+    """Two rows of 5 tokens prefilled by the model, the first left-padded by 0 or by 2 (one
+    case each), with the two tokens each row decodes next: (pad, next ids, cache). Built once
+    for every variant the probe tries; empty where the model's forward takes no such call."""
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)
     ids = torch.randint(0, vocab, (2, 5), generator=gen)
     nxt = torch.randint(0, vocab, (2, 2), generator=gen)
-    dtype = next(model.parameters()).dtype
+    cases = []
     try:
         with torch.no_grad():
             for pad in (torch.tensor([0, 0]), torch.tensor([2, 0])):
@@ -168,6 +169,23 @@ def _decodes_exactly(model: torch.nn.Module, step: Callable[..., torch.Tensor],
                 cache = model(input_ids=ids, attention_mask=mask2d, use_cache=True,
                               past_key_values=DynamicCache(config=model.config)
                               ).past_key_values
+                cases.append((pad, nxt, cache))
+    except Exception:  # another forward signature: the model's own forward
+        return []
+    return cases
+
+
+def _decodes_exactly(model: torch.nn.Module, step: Callable[..., torch.Tensor],
+                     attention: str, cases: list[tuple[torch.Tensor, torch.Tensor, Any]]
+                     ) -> bool:
+    """Two decode steps both ways from copies of each case's cache, the padding passed as the
+    engine passes it: the step's logits bit for bit the model's."""
+    import copy
+
+    dtype = next(model.parameters()).dtype
+    try:
+        with torch.no_grad():
+            for pad, nxt, cache in cases:
                 theirs, ours = copy.deepcopy(cache), copy.deepcopy(cache)
                 for t in range(2):  # the second step reads the states the first one wrote
                     pos = (5 + t - pad)[:, None]
