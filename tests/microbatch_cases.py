@@ -20,10 +20,14 @@ SEQ = 64
 # heavy-tailed: one full-length row, a few medium, many short; row 5 trains nothing
 LENGTHS = [64, 9, 40, 3, 17, 0, 25, 6, 50, 12, 4, 31]
 PROMPT = 2  # the first targets of every row are prompt (not trained)
+# ... but these rows open with the same SHARED_PROMPT untrained tokens (a role's system prompt)
+SHARED_ROWS, SHARED_PROMPT = (0, 2, 6, 8, 11), 20
 MODES = {
     "fixed": {},
     "budget": {"max_tokens_per_microbatch": 64},
     "packed": {"max_tokens_per_microbatch": 96, "pack_sequences": True},
+    "shared": {"max_tokens_per_microbatch": 96, "pack_sequences": True,
+               "share_prefixes": True},
 }
 AGG = [PolicyLossConfig(loss_agg_mode=m) for m in
        ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")]
@@ -41,7 +45,10 @@ def rl_batch(lengths=tuple(LENGTHS), seq: int = SEQ, vocab: int = 512, seed: int
     adv = torch.zeros(rows, seq + 1)
     for i, n in enumerate(lengths):
         tokens[i, :n + 1] = torch.randint(1, vocab, (n + 1,), generator=g)
-        mask[i, PROMPT + 1:n + 1] = 1.0
+        prompt = SHARED_PROMPT if i in SHARED_ROWS else PROMPT
+        if i in SHARED_ROWS:
+            tokens[i, :prompt] = tokens[SHARED_ROWS[0], :prompt]
+        mask[i, prompt + 1:n + 1] = 1.0
         adv[i, :n + 1] = float(torch.randn((), generator=g))
     batch = TokenBatch.from_sequences(tokens, mask, **{ADVANTAGES: adv})
     batch.extras[OLD_LOGPROBS] = -6.0 + 0.05 * torch.randn(rows, seq, generator=g)
@@ -108,6 +115,7 @@ def _one_mode(overrides: list[str], mode: str, spec: dict | None, model: str, in
             "pack": actor.pack, "budget": actor.token_budget,
             "logged": sorted(microbatching._LOGGED),
             "micro": [tuple(mb.input_ids.shape) for mb in micro],
+            "tokens": sum(int(getattr(mb, "valid", mb.loss_mask).sum()) for mb in micro),
             "seqs_per_row": max((int(getattr(mb, "segments", None).max()) + 1
                                  if getattr(mb, "segments", None) is not None else 1)
                                 for mb in micro)}

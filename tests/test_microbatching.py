@@ -92,7 +92,8 @@ def test_packed_rows_restart_positions_and_pack_every_extra_alike():
     batch = small_batch()
     lengths = mbs.effective_lengths(batch).tolist()
     assert lengths == [7, 3, 0, 5]
-    mb = mbs.packed_rows(batch, [[0, 1], [3]], lengths, width=10)
+    one = mbs.PrefixGroup
+    mb = mbs.packed_rows(batch, [[one((0,)), one((1,))], [one((3,))]], lengths, width=10)
     assert mb.sources.tolist() == [0, 1, 3] and mb.lengths.tolist() == [7, 3, 5]
     assert mb.segments.tolist() == [[0] * 7 + [1] * 3, [0] * 5 + [-1] * 5]
     assert mb.position_ids[0].tolist() == list(range(7)) + list(range(3))
@@ -109,9 +110,9 @@ def test_packed_rows_restart_positions_and_pack_every_extra_alike():
     mask = full[0, 0]
     assert mask[8].tolist() == [True] * 7 + [False, False, True]
     # ... and names its sequences, for an attention that computes them one by one
-    assert full.packed_spans == [[(0, 7), (7, 10)], [(0, 5)]]
+    assert full.packed_spans == [[(0, 7, 0, 0), (7, 10, 7, 7)], [(0, 5, 0, 0)]]
     assert mbs.packed_spans(torch.tensor([[-1, 0, 0, 1, -1, 2], [-1] * 6])) == [
-        [(1, 3), (3, 4), (5, 6)], []]
+        [(1, 3, 1, 1), (3, 4, 3, 3), (5, 6, 5, 5)], []]
     assert mask[3].tolist() == [False] * 4 + [True] * 6
     # the loss sees the sequences as ordinary rows: the model output unpacked onto them
     out = mb.input_ids.float().unsqueeze(-1)
@@ -143,6 +144,63 @@ def test_empty_micro_batch_is_fully_masked_and_keeps_the_extras():
     assert len(empty) == 1 and empty[0].loss_mask.sum() == 0
     assert set(empty[0].extras) == set(batch.extras)
     assert (empty[0].extras["routed_experts"] == -1).all()
+
+
+def prefixed_batch() -> TokenBatch:
+    """Rows 0-3 open with the same 20 untrained tokens (row 3 with the same first 30),
+    row 4 with only 10 of them, row 5 with its own; every row trains 8 targets after them."""
+    g = torch.Generator().manual_seed(5)
+    opening = [20, 20, 20, 20, 10, 0]
+    tokens = torch.randint(1, 500, (6, 41), generator=g)
+    tokens[3, :30] = tokens[0, :30]
+    mask = torch.zeros(6, 41)
+    for row, n in enumerate(opening):
+        tokens[row, :n] = tokens[0, :n]
+        mask[row, 21 + (row == 3) * 10:29 + (row == 3) * 10] = 1.0
+    tokens[4, 10] = 999  # row 4 sorts after the others
+    return TokenBatch.from_sequences(tokens, mask)
+
+
+def test_rows_that_open_alike_share_one_copy_of_the_opening_within_the_budget():
+    batch = prefixed_batch()
+    lengths = mbs.effective_lengths(batch).tolist()
+    assert lengths == [28, 28, 28, 38, 28, 28]
+    groups = mbs.share_prefixes(batch, list(range(6)), lengths, budget=1000)
+    # the common opening stops where the targets part (19: the first trained target is the
+    # 21st token), though row 3 shares 30 tokens with row 0; 10 are below the minimum
+    groups.sort(key=lambda g: g.rows[0])
+    assert groups == [mbs.PrefixGroup((0, 1, 2, 3), 19), mbs.PrefixGroup((4,)),
+                      mbs.PrefixGroup((5,))]
+    assert groups[0].tokens(lengths) == 19 + 9 * 3 + 19
+    # a budget of 60 tokens holds the opening and three remainders at most
+    small = mbs.share_prefixes(batch, [0, 1, 2, 3], lengths, budget=60)
+    assert [g.rows for g in small] == [(0, 1, 2), (3,)]
+    assert all(g.tokens(lengths) <= 60 for g in small)
+    # an extra that differs inside the opening (the engine routed a token otherwise) cuts it
+    batch.extras["routed_experts"] = torch.zeros(6, 40, 2, 2, dtype=torch.long)
+    batch.extras["routed_experts"][1, 12] = 1
+    cut = mbs.share_prefixes(batch, [0, 1], lengths, budget=1000)
+    assert [g.rows for g in cut] == [(0,), (1,)]
+
+
+def test_a_shared_opening_packs_once_and_each_branch_sees_it():
+    batch = prefixed_batch()
+    micro = mbs.micro_batches(batch, dp=1, dp_rank=0, budget=1000, pack=True, share=True)
+    assert len(micro) == 1
+    mb = micro[0]
+    assert int(mb.valid.sum()) == 19 + 9 * 3 + 19 + 28 + 28  # not 6 rows' 178
+    # every sequence comes back whole: its opening from the shared copy
+    for key in ("input_ids", "position_ids", "loss_mask"):
+        got = mb.per_sequence(getattr(mb, key).unsqueeze(-1))[..., 0]
+        for k, row in enumerate(mb.sources.tolist()):
+            n = int(mb.lengths[k])
+            assert torch.equal(got[k, :n], getattr(batch, key)[row, :n]), (key, row)
+    # branch 2 (row 1's remainder, columns 28-36) attends to the opening and to itself only
+    mask = mb.attention_mask()
+    assert mask.packed_spans[0][:3] == [(0, 19, 0, 0), (19, 28, 0, 19), (28, 37, 0, 19)]
+    allowed = ~mask[0, 0, 30]
+    assert allowed[:19].all() and not allowed[19:28].any() and allowed[28:31].all()
+    assert not allowed[31:].any()
 
 
 # -- on a real model -----------------------------------------------------------------------
@@ -178,7 +236,7 @@ def test_one_process_budget_and_packing_match_fixed_micro_batches(runs):
                            f"grad_norm {v['grad_norm']:.8f}" for m, v in out.items()))
     assert len(ref["micro"]) == 12 and ref["micro"][0] == (1, 64)
     assert out["budget"]["pack"] is False and out["packed"]["pack"] is True
-    for mode in ("budget", "packed"):
+    for mode in ("budget", "packed", "shared"):
         assert all(r * s <= MODES_BUDGET[mode] for r, s in out[mode]["micro"])
         assert_same(out[mode], ref, mode)
     assert out["packed"]["seqs_per_row"] >= 3  # rows really hold several sequences
@@ -186,6 +244,9 @@ def test_one_process_budget_and_packing_match_fixed_micro_batches(runs):
     assert out["packed"]["sequence_attention_calls"] > 0
     assert out["budget"]["sequence_attention_calls"] == 0
     assert len(out["packed"]["micro"]) < len(out["budget"]["micro"])
+    # rows 0, 2, 6, 8 and 11 open with the same 20 prompt tokens, the first 19 with the same
+    # targets: two groups of them (the budget) run those once, 3 - 1 and 2 - 1 copies fewer
+    assert out["packed"]["tokens"] - out["shared"]["tokens"] == 19 * 3
 
 
 
@@ -196,7 +257,8 @@ def test_one_process_budget_and_packing_match_fixed_micro_batches(runs):
 def test_two_ranks_match_one_process_fixed(layout, runs):
     init, out = runs
     ref = out["fixed"]
-    got = get_pool(2).run(cases.compare_modes, layout, init, cases.NO_AUX, ("budget", "packed"))
+    got = get_pool(2).run(cases.compare_modes, layout, init, cases.NO_AUX,
+                          ("budget", "packed", "shared"))
     for rank, result in enumerate(got):
         for mode, res in result.items():
             assert_same(res, ref, f"{layout} rank {rank} {mode}")

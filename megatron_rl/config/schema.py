@@ -109,6 +109,11 @@ class TrainConfig:
     pack_sequences: bool = bounded(False, help="pack sequences into rows where the layers "
                                    "support it; budget: max_tokens_per_microbatch, else "
                                    "micro_batch_size x seq_length")
+    share_prefixes: bool = bounded(False, help="with pack_sequences: sequences that begin "
+                                   "with the same untrained tokens (a role's system prompt, a "
+                                   "group's prompt) are packed behind one copy of them, which "
+                                   "runs once forward and backward; the same log-probs and "
+                                   "gradients, but the MoE load-balancing loss counts it once")
     output_dir: str = bounded("runs/default", help="metrics.jsonl and plots go here")
 
 
@@ -639,6 +644,9 @@ class Config:
                 f"train.micro_batch_size={t.micro_batch_size}")
         if self.optim.min_lr > self.optim.lr:
             raise ConfigError(f"optim.min_lr={self.optim.min_lr} exceeds optim.lr={self.optim.lr}")
+        if t.share_prefixes and not t.pack_sequences:
+            raise ConfigError("train.share_prefixes: needs train.pack_sequences=true (a "
+                              "prefix is shared within a packed row)")
         if self.optim.cpu_offload_fraction and not self.parallel.distributed_optimizer:
             raise ConfigError("optim.cpu_offload_fraction: needs parallel.distributed_optimizer")
         eng_ep, eng_gpus = self.rollout.engine_ep, self.rollout.engine_gpus

@@ -91,21 +91,33 @@ def torch_sdpa_attention() -> type:
             return out.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0],
                                                    self.hidden_size_per_partition)
 
-        def _per_sequence(self, q, k, v, spans: list[list[tuple[int, int]]]):
-            """Causal attention within each packed sequence alone: what the block-diagonal
-            mask computes, without the row-wide scores (a row of n sequences costs ~1/n).
-            Padding columns get zeros."""
+        def _per_sequence(self, q, k, v, spans: list[list[tuple[int, int, int, int]]]):
+            """Causal attention within each packed sequence alone, after the whole shared
+            prefix it extends, if any: what the mask computes, without the row-wide scores (a
+            row of n sequences costs ~1/n). Padding columns get zeros."""
             gqa = k.shape[1] != q.shape[1]
+            sdpa = torch.nn.functional.scaled_dot_product_attention
             rows = []
             for b, row in enumerate(spans):
                 parts, end = [], 0
-                for start, stop in row:
+                for start, stop, t0, t1 in row:
                     if start > end:
                         parts.append(v.new_zeros(1, q.shape[1], start - end, v.shape[3]))
-                    parts.append(torch.nn.functional.scaled_dot_product_attention(
-                        q[b:b + 1, :, start:stop], k[b:b + 1, :, start:stop],
-                        v[b:b + 1, :, start:stop], scale=self.softmax_scale, is_causal=True,
-                        enable_gqa=gqa))
+                    keys, values = k[b:b + 1, :, start:stop], v[b:b + 1, :, start:stop]
+                    if t1 == t0:
+                        parts.append(sdpa(q[b:b + 1, :, start:stop], keys, values,
+                                          scale=self.softmax_scale, is_causal=True,
+                                          enable_gqa=gqa))
+                    else:  # every prefix column, then causal within the sequence
+                        n = stop - start
+                        allowed = torch.ones(n, t1 - t0 + n, dtype=torch.bool,
+                                             device=q.device)
+                        allowed[:, t1 - t0:] = allowed[:, t1 - t0:].tril()
+                        parts.append(sdpa(
+                            q[b:b + 1, :, start:stop],
+                            torch.cat([k[b:b + 1, :, t0:t1], keys], dim=2),
+                            torch.cat([v[b:b + 1, :, t0:t1], values], dim=2),
+                            attn_mask=allowed, scale=self.softmax_scale, enable_gqa=gqa))
                     end = stop
                 if end < q.shape[2]:
                     parts.append(v.new_zeros(1, q.shape[1], q.shape[2] - end, v.shape[3]))

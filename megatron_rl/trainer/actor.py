@@ -154,6 +154,7 @@ class MegatronActor:
                 budget = budget or train.micro_batch_size * self.cfg.model.seq_length
                 self.rope = RowPositionRoPE(module.rotary_pos_emb)
         self.token_budget = budget
+        self.share_prefixes = self.pack and bool(getattr(train, "share_prefixes", False))
         # sequence parallelism splits the sequence over TP, context parallelism in 2*CP chunks
         self.seq_multiple = ((parallel.tp if parallel.sequence_parallel else 1)
                              * (2 * parallel.cp if parallel.cp > 1 else 1))
@@ -272,7 +273,8 @@ class MegatronActor:
             return local.micro_batches(min(self.cfg.train.micro_batch_size, local.rows))
         return micro_batches(batch, dp=self.layout.dp, dp_rank=self.layout.dp_rank,
                              budget=self.token_budget, multiple=self.seq_multiple,
-                             pack=self.pack, uniform=self.uniform_shapes)
+                             pack=self.pack, uniform=self.uniform_shapes,
+                             share=self.share_prefixes)
 
     @contextlib.contextmanager
     def _model_inputs(self, mb: TokenBatch):

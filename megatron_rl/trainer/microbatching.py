@@ -35,6 +35,17 @@ through `RowPositionRoPE`), attention is block-diagonal causal via an explicit m
 `DotProductAttention` applies a given mask as is), and every per-token extra is packed the same
 way. It is refused, with the reason logged once, where the layers cannot honour that
 (`packing_unsupported`).
+
+**Shared prefixes** (`train.share_prefixes`, with packing): an agent's turns begin with their
+role's system prompt and a group's samples with the same prompt, so most of a batch's tokens
+are copies. After the DP split, a rank's rows are sorted by their untrained opening and those
+that begin alike go into one `PrefixGroup`: the common opening (its *trunk*, never past any
+member's first trained target) is packed once, each member's remainder after it as a branch
+that attends to the trunk and causally to itself, with positions that continue the trunk's.
+The planner sees a group as one sequence of its packed size (at most the budget). Each
+branch's tokens are computed as in its own row, the trunk's once: forward and backward run
+fewer tokens for the same log-probs and gradients. Only the MoE load-balancing loss, which
+counts tokens, counts the trunk once.
 """
 
 from __future__ import annotations
@@ -71,6 +82,7 @@ class MicroBatch(TokenBatch):
     lengths: torch.Tensor | None = None   # [n] effective length of each sequence
     valid: torch.Tensor | None = None     # [B, S] bool: a real token (not padding)
     segments: torch.Tensor | None = None  # [B, S] sequence slot in its packed row, -1 = pad
+    trunks: torch.Tensor | None = None    # [B, S] slot of the shared prefix it extends, -1 = none
     unpack_index: torch.Tensor | None = None  # [n, L] flat index into [B * S]; packed only
     loss_view: TokenBatch | None = None   # packed: the n sequences as rows [n, L]
 
@@ -83,16 +95,19 @@ class MicroBatch(TokenBatch):
         return self.segments is not None
 
     def attention_mask(self) -> torch.Tensor:
-        """[B, 1, S, S] bool, True = masked: causal and within one sequence of the row. It
-        carries its rows' sequences as `packed_spans` (per row, (start, end) columns), so an
-        attention that knows them (`layer_specs.torch_sdpa_attention`) attends within each
-        sequence alone instead of over the whole row behind the mask."""
+        """[B, 1, S, S] bool, True = masked: causal within one sequence of the row, plus the
+        whole shared prefix it extends. It carries its rows' sequences as `packed_spans`, so
+        an attention that knows them (`layer_specs.torch_sdpa_attention`) attends within each
+        sequence (and its prefix) alone instead of over the whole row behind the mask."""
         seg = self.segments
         s = seg.shape[1]
         causal = torch.ones(s, s, dtype=torch.bool, device=seg.device).triu(1)
         other = seg[:, None, :, None] != seg[:, None, None, :]
         mask = other | causal
-        mask.packed_spans = packed_spans(seg)
+        if self.trunks is not None:  # a prefix's columns come before its branches: causal
+            mask &= ~((self.trunks[:, None, :, None] == seg[:, None, None, :])
+                      & (self.trunks[:, None, :, None] >= 0))
+        mask.packed_spans = packed_spans(seg, self.trunks)
         return mask
 
     def per_sequence(self, out: torch.Tensor) -> torch.Tensor:
@@ -107,16 +122,22 @@ class MicroBatch(TokenBatch):
         return torch.where(keep, picked, torch.zeros((), dtype=picked.dtype))
 
 
-def packed_spans(segments: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per row of `segments` ([B, S], sequence slot or -1 = padding): the (start, end) columns
-    of each sequence, in order."""
+def packed_spans(segments: torch.Tensor, trunks: torch.Tensor | None = None
+                 ) -> list[list[tuple[int, int, int, int]]]:
+    """Per row of `segments` ([B, S], sequence slot or -1 = padding): each sequence's (start,
+    end) columns, then those of the shared prefix it extends (`trunks`: that prefix's slot per
+    column, -1 = none; an empty (start, start) span when none), in order."""
     out = []
-    for row in segments:  # runs of one slot, found where the slot changes (not per column)
+    for b, row in enumerate(segments):  # runs of one slot, where the slot changes
         cuts = (row[1:] != row[:-1]).nonzero().flatten().add(1).tolist()
         bounds = [0, *cuts, row.numel()]
         slots = row[bounds[:-1]].tolist()
-        out.append([(a, b) for a, b, slot in zip(bounds, bounds[1:], slots, strict=False)
-                    if slot >= 0])
+        runs = {slot: (a, e) for a, e, slot in zip(bounds, bounds[1:], slots, strict=False)
+                if slot >= 0}
+        parents = [-1] * len(slots) if trunks is None else trunks[b, bounds[:-1]].tolist()
+        out.append([(a, e, *runs.get(parent, (a, a)))
+                    for a, e, slot, parent in zip(bounds, bounds[1:], slots, parents,
+                                                  strict=False) if slot >= 0])
     return out
 
 
@@ -150,6 +171,73 @@ def balance_dp(lengths: list[int], dp: int) -> list[list[int]]:
         out[rank].append(row)
         heapq.heappush(heap, (tokens + lengths[row], count + 1, rank))
     return out
+
+
+# a shorter common opening is not worth a branch of its own
+MIN_SHARED_TOKENS = 16
+# per-token extras the model's forward reads from a micro-batch (routing replay)
+FORWARD_EXTRAS = frozenset({ROUTED_EXPERTS})
+
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    """Batch rows packed behind one copy of the `trunk` tokens they all begin with (0: one row
+    alone); the first row's copy is the one packed."""
+
+    rows: tuple[int, ...]
+    trunk: int = 0
+
+    def tokens(self, lengths: list[int]) -> int:
+        return self.trunk + sum(lengths[r] - self.trunk for r in self.rows)
+
+
+def _first_trained(batch: TokenBatch) -> list[int]:
+    """Per row: the first trained target's index (the row's length when none)."""
+    trained = batch.loss_mask > 0
+    first = torch.where(trained.any(dim=1), trained.int().argmax(dim=1),
+                        torch.full((batch.rows,), batch.seq_length))
+    return first.tolist()
+
+
+def _common(batch: TokenBatch, a: int, b: int, limit: int) -> int:
+    """How many leading positions rows `a` and `b` share (tokens, their targets, positions,
+    and the extras the model's forward reads: the loss reads its own from each sequence's
+    row), at most `limit`."""
+    same = torch.ones(limit, dtype=torch.bool)
+    for t in (batch.input_ids, batch.labels, batch.position_ids):
+        same &= t[a, :limit] == t[b, :limit]
+    for key in FORWARD_EXTRAS & batch.extras.keys():
+        v = batch.extras[key]
+        same &= (v[a, :limit] == v[b, :limit]).reshape(limit, -1).all(dim=1)
+    differ = (~same).nonzero()
+    return int(differ[0]) if differ.numel() else limit
+
+
+def share_prefixes(batch: TokenBatch, row_ids: list[int], lengths: list[int], budget: int,
+                   min_shared: int = MIN_SHARED_TOKENS) -> list[PrefixGroup]:
+    """`row_ids` as groups that share their untrained openings (see the module docstring):
+    sorted by that opening, each row joins the group before it while they still share
+    `min_shared` tokens and the group's packed size stays within `budget`."""
+    first = _first_trained(batch)
+    ids = batch.input_ids
+    order = sorted((r for r in row_ids if lengths[r] > 0),
+                   key=lambda r: (ids[r, :first[r]].tolist(), r))
+    groups: list[PrefixGroup] = []
+    members: list[int] = []
+    trunk = size = 0
+    for r in order:
+        if members:
+            shared = _common(batch, members[0], r, min(trunk, first[r]))
+            grown = size + (len(members) - 1) * (trunk - shared) + lengths[r] - shared
+            if shared >= min_shared and grown <= budget:
+                members.append(r)
+                trunk, size = shared, grown
+                continue
+            groups.append(PrefixGroup(tuple(members), trunk if len(members) > 1 else 0))
+        members, trunk, size = [r], first[r], lengths[r]
+    if members:
+        groups.append(PrefixGroup(tuple(members), trunk if len(members) > 1 else 0))
+    return groups
 
 
 @dataclass
@@ -228,10 +316,12 @@ def plan_lockstep(per_rank: list[list[int]], lengths: list[int], budget: int,
 
 
 def plan_batch(lengths: list[int], dp: int, budget: int, multiple: int = 1,
-               pack: bool = False, uniform: bool = False) -> list[list[Plan | None]]:
+               pack: bool = False, uniform: bool = False,
+               per_rank: list[list[int]] | None = None) -> list[list[Plan | None]]:
     """Every DP rank's micro-batches, the same count on each (None = an empty micro-batch).
-    `uniform`: micro-batch i has the same [rows, width] on every rank (`plan_lockstep`)."""
-    per_rank = balance_dp(lengths, dp)
+    `uniform`: micro-batch i has the same [rows, width] on every rank (`plan_lockstep`).
+    `per_rank`: each rank's sequences when already split (else `balance_dp`)."""
+    per_rank = balance_dp(lengths, dp) if per_rank is None else per_rank
     if uniform:
         plans = plan_lockstep(per_rank, lengths, budget, multiple, pack)
         return plans if plans[0] else [[None] for _ in plans]
@@ -271,34 +361,48 @@ def trimmed_rows(batch: TokenBatch, rows: list[int], lengths: list[int], width: 
     return MicroBatch(**fields, sources=ids[:len(rows)], lengths=lens[:len(rows)], valid=valid)
 
 
-def packed_rows(batch: TokenBatch, rows: list[list[int]], lengths: list[int],
+def packed_rows(batch: TokenBatch, rows: list[list[PrefixGroup]], lengths: list[int],
                 width: int, total_rows: int | None = None) -> MicroBatch:
-    """Sequences concatenated per row (position ids restart per sequence), [total_rows, width]."""
+    """Sequences concatenated per row (position ids restart per sequence), [total_rows, width];
+    a group's shared prefix once, before its members' remainders."""
     total = len(rows) if total_rows is None else total_rows
     src_row = torch.zeros(total, width, dtype=torch.long)
     src_col = torch.zeros(total, width, dtype=torch.long)
     segments = torch.full((total, width), -1, dtype=torch.long)
+    trunks = torch.full((total, width), -1, dtype=torch.long)
     order: list[int] = []
-    starts: list[int] = []
-    for b, seqs in enumerate(rows):
-        offset = 0
-        for k, r in enumerate(seqs):
-            n = lengths[r]
-            src_row[b, offset:offset + n] = r
-            src_col[b, offset:offset + n] = torch.arange(n)
-            segments[b, offset:offset + n] = k
-            order.append(r)
-            starts.append(b * width + offset)
-            offset += n
+    where: list[torch.Tensor] = []  # per sequence: the flat columns of its tokens, in order
+    for b, groups in enumerate(rows):
+        offset = slot = 0
+        for g in groups:
+            t, shared, trunk_slot = g.trunk, torch.arange(0), slot
+            if t:
+                src_row[b, offset:offset + t] = g.rows[0]
+                src_col[b, offset:offset + t] = torch.arange(t)
+                segments[b, offset:offset + t] = slot
+                shared = b * width + offset + torch.arange(t)
+                offset, slot = offset + t, slot + 1
+            for r in g.rows:
+                n = lengths[r] - t
+                src_row[b, offset:offset + n] = r
+                src_col[b, offset:offset + n] = torch.arange(t, t + n)
+                segments[b, offset:offset + n] = slot
+                if t:
+                    trunks[b, offset:offset + n] = trunk_slot
+                order.append(r)
+                where.append(torch.cat([shared, b * width + offset + torch.arange(n)]))
+                offset, slot = offset + n, slot + 1
     valid = segments >= 0
     fields = _gather(batch, src_row, src_col, valid)
     lens = torch.tensor([lengths[r] for r in order], dtype=torch.long)
     longest = int(lens.max()) if order else 0
-    index = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(longest)
-    index = torch.where(_arange_mask(lens, longest), index, torch.zeros_like(index))
+    index = torch.zeros(len(order), longest, dtype=torch.long)
+    for k, cols in enumerate(where):
+        index[k, :cols.numel()] = cols
     view = trimmed_rows(batch, order, lengths, longest)
     return MicroBatch(**fields, sources=lens.new_tensor(order), lengths=lens, valid=valid,
-                      segments=segments, unpack_index=index, loss_view=view)
+                      segments=segments, trunks=trunks if (trunks >= 0).any() else None,
+                      unpack_index=index, loss_view=view)
 
 
 def empty_micro_batch(batch: TokenBatch, width: int, rows: int = 1) -> MicroBatch:
@@ -307,25 +411,39 @@ def empty_micro_batch(batch: TokenBatch, width: int, rows: int = 1) -> MicroBatc
     return trimmed_rows(batch, [], [], width, total_rows=rows)
 
 
-def build(batch: TokenBatch, plan: Plan | None, lengths: list[int], pack: bool,
-          multiple: int) -> MicroBatch:
+def build(batch: TokenBatch, plan: Plan | None, groups: list[PrefixGroup],
+          lengths: list[int], pack: bool, multiple: int) -> MicroBatch:
+    """The micro-batch `plan` lays out; its rows list indices into `groups`."""
     if plan is None:
         return empty_micro_batch(batch, multiple)
     if not any(plan.rows):
         return empty_micro_batch(batch, plan.width, len(plan.rows))
-    seqs = [r for r in plan.rows if r]
+    seqs = [[groups[g] for g in r] for r in plan.rows if r]
     if pack:
         return packed_rows(batch, seqs, lengths, plan.width, total_rows=len(plan.rows))
-    return trimmed_rows(batch, [r[0] for r in seqs], lengths, plan.width,
+    return trimmed_rows(batch, [r[0].rows[0] for r in seqs], lengths, plan.width,
                         total_rows=len(plan.rows))
 
 
 def micro_batches(batch: TokenBatch, *, dp: int, dp_rank: int, budget: int, multiple: int = 1,
-                  pack: bool = False, uniform: bool = False) -> list[MicroBatch]:
-    """This DP rank's micro-batches of the global `batch` (the same call on every rank)."""
+                  pack: bool = False, uniform: bool = False, share: bool = False
+                  ) -> list[MicroBatch]:
+    """This DP rank's micro-batches of the global `batch` (the same call on every rank).
+    `share` (with `pack`): rows that begin alike share one copy of that prefix."""
     lengths = effective_lengths(batch).tolist()
-    plans = plan_batch(lengths, dp, budget, multiple, pack, uniform)
-    return [build(batch, p, lengths, pack, multiple) for p in plans[dp_rank]]
+    per_rank = balance_dp(lengths, dp)
+    if pack and share:
+        groups, ranks = [], []
+        for rows in per_rank:
+            mine = share_prefixes(batch, rows, lengths, budget)
+            ranks.append(list(range(len(groups), len(groups) + len(mine))))
+            groups += mine
+        per_rank = ranks
+    else:
+        groups = [PrefixGroup((r,)) for r in range(batch.rows)]
+    sizes = [g.tokens(lengths) for g in groups]
+    plans = plan_batch(sizes, dp, budget, multiple, pack, uniform, per_rank)
+    return [build(batch, p, groups, lengths, pack, multiple) for p in plans[dp_rank]]
 
 
 def assemble(batch: TokenBatch, micro: list[MicroBatch], outputs: list[torch.Tensor]
