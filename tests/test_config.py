@@ -66,6 +66,13 @@ def test_yaml_scientific_notation_is_a_float():
     assert load_config(None, ["optim.lr=1e-6"]).optim.lr == pytest.approx(1e-6)
 
 
+def test_shared_prefixes_need_packed_rows():
+    with pytest.raises(ConfigError, match="train.share_prefixes: needs train.pack_sequences"):
+        load_config(None, ["train.share_prefixes=true"])
+    cfg = load_config(None, ["train.share_prefixes=true", "train.pack_sequences=true"])
+    assert cfg.train.share_prefixes and cfg.train.pack_sequences
+
+
 def test_cli_config_show(tmp_path):
     out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "config", "show",
                           "tiny-moe-cpu", "optim.lr=5e-3", "parallel.pp=2"],
