@@ -1,13 +1,20 @@
-"""Fixed micro-batches vs token-budget micro-batches vs sequence packing, one run, same batch.
+"""Fixed micro-batches vs token-budget micro-batches vs sequence packing (vs shared prefixes),
+one run, same batch.
 
 A global batch of sequences with heavy-tailed lengths (log-normal: median `--median` tokens,
 sigma `--sigma`, clipped to [16, --seq]), like agentic rollouts where a few trajectories run
 long. Each mode trains the same model from the same seed on it (lm loss over every token) and
 reports the median train-step time, the micro-batches it ran and the share of the model's input
 positions that were padding. The fixed mode pads every row to `--seq` in micro-batches of
-`--micro` rows; the other two use a budget of micro × seq tokens per micro-batch.
+`--micro` rows; the others use a budget of micro × seq tokens per micro-batch.
+
+`--openings N`: every sequence first opens with one of `--roles` common openings of N untrained
+tokens (an agent role's system prompt) and trains only after it; a fourth mode packs with
+`train.share_prefixes` (each opening once per group), and its speed-up over packing is the
+headline (`BENCHMARK-RESULT`).
 
     python benchmarks/microbatching.py [--model tiny-moe --rows 32 --seq 1024 --median 96]
+    python benchmarks/microbatching.py --openings 176 --roles 2 --median 120 --seq 512
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import statistics
 import time
 
 import torch
+from results import emit
 
 
 def lengths(n: int, median: int, sigma: float, longest: int, seed: int) -> list[int]:
@@ -26,15 +34,19 @@ def lengths(n: int, median: int, sigma: float, longest: int, seed: int) -> list[
             for _ in range(n)]
 
 
-def make_batch(lens: list[int], seq: int, vocab: int):
+def make_batch(lens: list[int], seq: int, vocab: int, opening: int = 0, roles: int = 1):
+    """Rows of random tokens; with `opening`, row i opens with role i % roles's common
+    `opening` tokens and trains only after them (else every target)."""
     from megatron_rl.records.batch import TokenBatch
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.zeros(len(lens), seq + 1, dtype=torch.long)
     mask = torch.zeros(len(lens), seq + 1)
+    prompts = torch.randint(1, vocab, (roles, opening), generator=g)
     for i, n in enumerate(lens):
         tokens[i, :n] = torch.randint(1, vocab, (n,), generator=g)
-        mask[i, 1:n] = 1.0  # every target of the sequence
+        tokens[i, :opening] = prompts[i % roles]
+        mask[i, opening + 1:n] = 1.0
     return TokenBatch.from_sequences(tokens, mask)
 
 
@@ -73,6 +85,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--openings", type=int, default=0,
+                   help="untrained tokens every sequence opens with (0: none)")
+    p.add_argument("--roles", type=int, default=2, help="distinct openings")
     a = p.parse_args()
 
     from megatron_rl.utils.logs import quiet_libraries
@@ -83,8 +98,9 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     init_distributed("gloo")
-    lens = lengths(a.rows, a.median, a.sigma, a.seq, seed=0)
-    batch = make_batch(lens, a.seq, get_model_spec(a.model).vocab_size)
+    lens = [min(a.seq, a.openings + n)
+            for n in lengths(a.rows, a.median, a.sigma, a.seq - a.openings, seed=0)]
+    batch = make_batch(lens, a.seq, get_model_spec(a.model).vocab_size, a.openings, a.roles)
     budget = a.micro * a.seq
     base = [f"model.name={a.model}", f"model.seq_length={a.seq}",
             f"train.global_batch_size={a.rows}", f"train.micro_batch_size={a.micro}",
@@ -93,12 +109,16 @@ def main() -> None:
              ("token-budget", [f"train.max_tokens_per_microbatch={budget}"]),
              ("packed", [f"train.max_tokens_per_microbatch={budget}",
                          "train.pack_sequences=true"])]
+    if a.openings:
+        modes.append(("shared", [*modes[-1][1], "train.share_prefixes=true"]))
     srt = sorted(lens)
     print(f"{a.model}, {a.rows} sequences, log-normal lengths (median {a.median}, sigma "
           f"{a.sigma}, clipped to [16, {a.seq}]): min {srt[0]}, p50 {srt[len(srt) // 2]}, "
           f"p90 {srt[int(len(srt) * 0.9)]}, max {srt[-1]}, total {sum(lens)} tokens; "
           f"fixed: {a.micro} rows x {a.seq}; budget: {budget} tokens per micro-batch; "
-          f"{a.threads} threads, median of {a.steps} steps")
+          f"{a.threads} threads, median of {a.steps} steps"
+          + (f"; each opens with one of {a.roles} common {a.openings}-token openings"
+             if a.openings else ""))
     rows = [run_mode(name, base + ov, batch, a.warmup, a.steps) for name, ov in modes]
     print(f"{'mode':>13s} {'micro-batches':>13s} {'positions':>9s} {'padding':>8s} "
           f"{'step s':>7s} {'real tok/s':>10s} {'loss':>8s}")
@@ -108,6 +128,14 @@ def main() -> None:
     fixed = rows[0]["step_s"]
     print("speed-up vs fixed: " + ", ".join(f"{r['mode']} {fixed / r['step_s']:.2f}x"
                                             for r in rows[1:]))
+    if a.openings:
+        packed, shared = rows[2], rows[3]
+        print(f"shared prefixes vs packing: {packed['step_s'] / shared['step_s']:.2f}x the "
+              f"speed, {shared['positions']} vs {packed['positions']} positions, loss "
+              f"{shared['loss']:.6f} vs {packed['loss']:.6f}")
+        emit(f"train step, shared {a.openings}-token openings vs packing",
+             packed["step_s"] / shared["step_s"], 1.3,
+             note=f"{a.model}, {a.rows} sequences, {a.roles} openings")
 
 
 if __name__ == "__main__":

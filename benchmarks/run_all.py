@@ -31,6 +31,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "megatron_cpu_step": [],
     "engine_vs_generate": ["--models", "tiny-moe,tiny-qwen3.5"],
     "prefix_cache": [],
+    "microbatching": ["--openings", "176", "--roles", "2", "--median", "120", "--seq", "512",
+                      "--rows", "48", "--micro", "4"],
     "partial_rollout": [],
     "step_overhead": ["--steps", "4"],
     "conversion": [],
