@@ -203,9 +203,9 @@ class EngineMeter:
             self.passes += 1
             sample(seqs, logits)
 
-        def timed(*args: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:  # (..., decode=True) on decode steps
             t0 = time.perf_counter()
-            out = forward(*args)
+            out = forward(*args, **kwargs)
             if self.prefilling:
                 self.prefill_s += time.perf_counter() - t0
             else:
