@@ -574,6 +574,11 @@ def build_parser() -> argparse.ArgumentParser:
                     default=0.0, help="IterSynth at temperature 0: notes the Synthesizer left "
                     "unchanged after new evidence are decoded once more at this temperature "
                     "(else the next step repeats the last); 0 = off")
+    ev.add_argument("--no-stop-on-repeat", dest="stop_on_repeat", action="store_false",
+                    help="IterSynth, greedy: run an episode whose Planner context repeats an "
+                    "earlier one on to the turn budget (by default it ends there, labelled "
+                    "repeated_state: the same steps would follow; keep it on only with tools "
+                    "that answer a repeated call alike)")
     ev.add_argument("--seed", type=int, default=0, help="sampled requests' seeds derive from "
                     "it and the request id (reproducible sampled evals)")
     ev.add_argument("--samples", type=int, default=1, help="episodes per question (sampled "

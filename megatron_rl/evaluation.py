@@ -48,6 +48,7 @@ class EvalConfig:
     retries: int = 1
     temperature: float = 0.0
     unstick_temperature: float = 0.0  # IterSynth, greedy: re-decode notes that did not change
+    stop_on_repeat: bool = True       # IterSynth, greedy: end an episode whose state repeats
     seed: int = 0                     # sampled requests' seeds derive from it and the request
     samples: int = 1                  # episodes per question (pass@1 is their mean)
 
@@ -149,7 +150,8 @@ async def run_eval(cfg: EvalConfig, progress: bool = True) -> dict[str, Any]:
     agent_cfg = AgentConfig(max_turns=cfg.max_turns, sampling=SamplingParams(
         temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens),
         max_context_tokens=max(32_768, 4 * cfg.max_new_tokens), tool_specs=cfg.tool_specs,
-        unstick_temperature=cfg.unstick_temperature, seed=cfg.seed)
+        unstick_temperature=cfg.unstick_temperature, stop_on_repeat=cfg.stop_on_repeat,
+        seed=cfg.seed)
     agent = for_eval(agent_cls(tokenizer, _tools(cfg), agent_cfg), discard_all=True,
                      retries=cfg.retries if cfg.temperature > 0 else 0)
     server = None

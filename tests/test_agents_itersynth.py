@@ -120,3 +120,24 @@ def test_greedy_notes_left_unchanged_are_decoded_once_more_with_sampling() -> No
     for kwargs in ({"sampling": sampling}, {"unstick_temperature": 0.7}):
         plain = episode(script[:4] + script[5:], agent_cls=IterSynthAgent, **kwargs)[0]
         assert "unstuck" not in plain.metadata and plain.roles.count("synthesizer") == 2
+
+
+def test_a_greedy_episode_that_meets_an_earlier_state_ends_there() -> None:
+    """Greedy, the notes are the whole state: a Planner context seen before brings the same
+    plan and notes again until the turn budget, so the episode ends at the repeat
+    (`repeated_state`). Sampled, or with `stop_on_repeat=False`, it runs to the budget."""
+    def policy(context: str) -> str:  # a function of the context, as greedy decoding is
+        return NOTES_1 if "Rewrite the notes" in context else call("search", query="France")
+
+    greedy = SamplingParams(max_new_tokens=256, temperature=0.0)
+    traj, engine = episode(policy, agent_cls=IterSynthAgent, sampling=greedy, max_turns=6)
+    assert traj.roles == ["planner", "synthesizer"] * 2 and traj.answer is None
+    assert traj.labels == ["repeated_state"] and traj.turns[-1].labels == ["repeated_state"]
+    assert traj.metadata["repeated_at_step"] == 2 and len(engine.requests) == 4
+    assert engine.requests[2].input_ids != engine.requests[0].input_ids  # notes came in
+    sampled = SamplingParams(max_new_tokens=256, temperature=0.7)
+    for kwargs in ({"sampling": greedy, "stop_on_repeat": False}, {"sampling": sampled},
+                   {"sampling": greedy, "unstick_temperature": 0.7}):
+        full, engine = episode(policy, agent_cls=IterSynthAgent, max_turns=6, **kwargs)
+        assert full.labels == ["max_turns"] and full.roles.count("planner") == 6, kwargs
+        assert "repeated_at_step" not in full.metadata

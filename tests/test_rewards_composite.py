@@ -164,6 +164,7 @@ def test_taxonomy_metrics_on_a_constructed_batch(tmp_path) -> None:
         "abnormal/overlong_rate": 0.2, "abnormal/degenerate_rate": 0.0,
         "abnormal/tool_parse_error_rate": 0.2, "abnormal/max_turns_rate": 0.2,
         "abnormal/excess_tool_calls_rate": 0.0, "abnormal/response_too_long_rate": 0.0,
+        "abnormal/repeated_state_rate": 0.0,
         "abnormal/env_failure_rate": 0.6,     # b, c, e
         "abnormal/model_failure_rate": 0.2,   # d
         "abnormal/ok_rate": 0.2,              # a

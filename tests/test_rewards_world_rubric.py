@@ -217,10 +217,13 @@ def test_planner_on_the_next_hop_scores_high_and_wrong_repeated_or_early_moves_l
     # timed than a guess (only that turn; the same search mid-episode keeps its 5)
     ran_out = _traj(p, [start, (_search(founder), [_call(tools, "search", {"query": founder})],
                                 None)])
-    ran_out.labels.append("max_turns")
-    last = scorer.rate(ran_out)
-    assert last[2].dimensions == {"next_hop": 5.0, "non_redundancy": 5.0, "answer_timing": 1.0}
-    assert last[0].dimensions == r0.dimensions and last[2].score < good.score
+    # ... or where a greedy episode met an earlier state (it would have searched on)
+    for label in ("max_turns", "repeated_state"):
+        ran_out.labels[:] = [label]
+        last = scorer.rate(ran_out)
+        assert last[2].dimensions == \
+            {"next_hop": 5.0, "non_redundancy": 5.0, "answer_timing": 1.0}, label
+        assert last[0].dimensions == r0.dimensions and last[2].score < good.score
 
 
 def test_three_hop_targets_follow_the_summary(world, tools, scorer) -> None:

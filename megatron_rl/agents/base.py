@@ -72,6 +72,16 @@ class AgentConfig:
     # evidence makes the next step repeat the last one for the rest of the episode (the state is
     # the notes alone); it is decoded once more at this temperature. 0 = off
     unstick_temperature: float = 0.0
+    # greedy decoding only (IterSynth): a Planner context seen earlier in the episode gives the
+    # same plan, the same calls and so the same steps again until the turn budget; the episode
+    # ends there instead, labelled `repeated_state`. Exact with tools that answer a repeated
+    # call alike (the local index and pages); off for a live web whose results may change
+    stop_on_repeat: bool = True
+
+    @property
+    def deterministic(self) -> bool:
+        """Every message is a function of its context (greedy, never re-decoded)."""
+        return self.sampling.temperature == 0 and self.unstick_temperature == 0
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens"):

@@ -9,6 +9,8 @@ Step t:
 Every engine call starts from a fresh prompt, so each turn is its own training sequence; the
 role (`planner` / `synthesizer`) is recorded on every turn. Contexts stay bounded by the
 summary's length, so no context management is needed. `max_turns` counts planner steps.
+Greedy, a Planner context seen before ends the episode (`repeated_state`): the steps would
+repeat until the turn budget (`AgentConfig.stop_on_repeat`).
 
 With the data's own chat (`messages`), every Planner context is that chat (its system prompt,
 else the Planner's) with the notes appended to its last user turn; the Synthesizer keeps its own
@@ -92,9 +94,16 @@ class IterSynthAgent(BaseAgent):
         traj, state = self.start(question, reference, group_id, uid, resume)
         summary = state.get("summary", "")
         summaries: list[str] = traj.metadata.setdefault("summaries", [])
+        seen: set[tuple[int, ...]] = set()  # Planner contexts (greedy: each fixes what follows)
         for step in range(state.get("step", 0), cfg.max_turns):
-            plan = await self.message(
-                engine, traj, self.planner_context(question, summary, messages), "planner")
+            context = self.planner_context(question, summary, messages)
+            if cfg.stop_on_repeat and cfg.deterministic:
+                if tuple(context) in seen:
+                    traj.add_label("repeated_state", traj.turns[-1] if traj.turns else None)
+                    traj.metadata["repeated_at_step"] = step
+                    break
+                seen.add(tuple(context))
+            plan = await self.message(engine, traj, context, "planner")
             acted = await self.act(traj, plan, step)
             if acted is None:
                 break

@@ -35,8 +35,10 @@ from typing import Any
 # environment's fault: excluded from the loss and from group statistics
 ENV_FAILURES = ("search_error", "visit_error", "summarizer_error", "judge_error", "overlong")
 # the policy's fault: kept, with their reward
+# (`repeated_state`: a greedy IterSynth episode met a state it had been in, so it would repeat
+# its steps until the turn budget; agents/itersynth.py)
 MODEL_FAILURES = ("degenerate", "tool_parse_error", "max_turns", "excess_tool_calls",
-                  "response_too_long")
+                  "response_too_long", "repeated_state")
 LABELS = ENV_FAILURES + MODEL_FAILURES
 MAX_JSON_DEPTH = 32  # json_safe: deeper data is cut (the parser already allows only 16 levels)
 

@@ -233,6 +233,11 @@ def _call(call: ToolCall) -> tuple[str, list[str]] | None:
     return ("search", queries) if queries else None
 
 
+def _out_of_turns(traj: Trajectory) -> bool:
+    """The episode ended unanswered at the turn budget, or where a greedy one would have."""
+    return "max_turns" in traj.labels or "repeated_state" in traj.labels
+
+
 def _observations(calls: Sequence[ToolCall]) -> str:
     return "\n".join(c.observation for c in calls if isinstance(c.observation, str))
 
@@ -275,7 +280,8 @@ class WorldRubricScorer:
     def planner(self, path: KnownPath, question: str, summary: str, text: str,
                 calls: Sequence[ToolCall], answered: bool, earlier: set[tuple[str, str]],
                 ran_out: bool = False) -> tuple[dict[str, float | None], str]:
-        """`ran_out`: the episode's last Planner turn, and the turn budget ended it unanswered."""
+        """`ran_out`: the episode's last Planner turn, and the turn budget ended it unanswered
+        (or a repeated greedy state, which would have)."""
         seen = _Text(summary)
         held = _holds(seen, path)
         hop = next((k for k, h in enumerate(held) if not h), None)
@@ -405,7 +411,7 @@ class WorldRubricScorer:
                 if "planner" in self.rubrics:
                     dims, detail = self.planner(path, question, summary, text, m.calls,
                                                 answered, earlier, ran_out=last and not answered
-                                                and "max_turns" in traj.labels)
+                                                and _out_of_turns(traj))
                 evidence = m.calls
             elif m.role == "synthesizer":
                 if "synthesizer" in self.rubrics:
