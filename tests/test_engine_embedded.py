@@ -933,6 +933,36 @@ def test_a_turn_that_extends_a_finished_request_runs_only_its_new_tokens(model) 
     assert info["finished"] == 3 and info["shared_runs"] == 0
 
 
+def test_the_prefix_cache_finds_the_longest_cached_prefix_as_a_scan_would() -> None:
+    """The key trie answers `longest` as a scan over every entry would, through adds, key
+    replacements, evictions (the trie drops the evicted keys' branches) and clears."""
+    from megatron_rl.engines.prefix_cache import PrefixCache
+
+    def kv(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:  # 8 bytes a token
+        return [(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1))]
+
+    def scan(cache: PrefixCache, toks: list[int]) -> tuple[int, ...]:
+        keys = [*cache.shared_runs, *cache.finished]
+        return max((k for k in keys if len(k) < len(toks) and tuple(toks[:len(k)]) == k),
+                   key=len, default=())
+
+    rng = random.Random(0)
+    cache = PrefixCache(max_bytes=8 * 200)
+    for i in range(2000):
+        toks = [rng.randrange(3) for _ in range(rng.randint(1, 24))]  # 3 ids: many overlaps
+        assert cache.longest(toks) == scan(cache, toks), (i, toks)
+        if rng.random() < 0.5:
+            cache.add(tuple(toks[:rng.randint(1, len(toks))]), kv(len(toks)),
+                      finished=rng.random() < 0.5)
+        if rng.random() < 0.005:
+            cache.clear()
+    assert cache.shared_runs or cache.finished
+    for key in [*cache.shared_runs, *cache.finished]:  # every kept key is found
+        assert cache.longest([*key, 9]) == key
+    cache.clear()
+    assert not cache.keys.root.children and cache.longest([0, 1, 2]) == ()
+
+
 def test_the_prefix_cache_keeps_prefixes_shared_with_recent_prompts() -> None:
     from megatron_rl.engines.prefix_cache import PrefixCache
 

@@ -11,7 +11,8 @@ SGLang keeps a radix tree of every request's KV. Agents need two parts of that:
   new tokens.
 The engine computes and stores the KV; this class decides and keeps entries within a byte
 budget, least recently used out first (finished requests before shared openings). Weight
-updates clear it.
+updates clear it. The longest cached prefix of a prompt is found by walking a token trie of
+the entries' keys, in the tokens it matches, whatever the number of entries.
 """
 
 from __future__ import annotations
@@ -31,6 +32,52 @@ def kv_bytes(kv: Any) -> int:
     return sum(t.numel() * t.element_size() for pair in kv for t in pair)
 
 
+class _Node:
+    """A token trie node: children by next token, and the entry key that ends here."""
+
+    __slots__ = ("children", "key")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.key: tuple[int, ...] | None = None
+
+
+class KeyTrie:
+    """The cache's keys as a token trie: `longest` walks one prompt's tokens once."""
+
+    def __init__(self) -> None:
+        self.root = _Node()
+
+    def insert(self, key: tuple[int, ...]) -> None:
+        node = self.root
+        for t in key:
+            node = node.children.setdefault(t, _Node())
+        node.key = key
+
+    def remove(self, key: tuple[int, ...]) -> None:
+        path, node = [self.root], self.root
+        for t in key:
+            node = node.children[t]
+            path.append(node)
+        node.key = None
+        for depth in range(len(key), 0, -1):  # prune the branch this key alone kept
+            if path[depth].children or path[depth].key is not None:
+                break
+            del path[depth - 1].children[key[depth - 1]]
+
+    def longest(self, toks: list[int]) -> tuple[int, ...]:
+        """The longest key that is a prefix of `toks` and shorter than it; () for none."""
+        best: tuple[int, ...] = ()
+        node = self.root
+        for t in toks[:-1]:
+            node = node.children.get(t)  # type: ignore[assignment]
+            if node is None:
+                break
+            if node.key is not None:
+                best = node.key
+        return best
+
+
 class PrefixCache:
     def __init__(self, min_tokens: int = PREFIX_MIN_TOKENS, recent: int = PREFIX_RECENT,
                  max_bytes: int = PREFIX_CACHE_BYTES):
@@ -40,6 +87,7 @@ class PrefixCache:
             collections.OrderedDict())
         self.finished: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()
         self.recent: collections.deque[np.ndarray] = collections.deque(maxlen=recent)
+        self.keys = KeyTrie()  # both pools' keys
         self.bytes = 0
         self.hits = 0          # prompts that took a cached prefix
         self.tokens_saved = 0  # prompt tokens those prefixes covered
@@ -50,6 +98,7 @@ class PrefixCache:
         with `recent` the recent prompts too (a flush: the next prompts start cold)."""
         self.shared_runs.clear()
         self.finished.clear()
+        self.keys = KeyTrie()
         self.bytes = 0
         if recent:
             self.recent.clear()
@@ -60,15 +109,7 @@ class PrefixCache:
     def longest(self, toks: list[int]) -> tuple[int, ...]:
         """The longest cached prefix of `toks` that leaves at least one token to run (its logits
         are the next token's); () for none."""
-        best: tuple[int, ...] = ()
-        for pool in (self.shared_runs, self.finished):
-            for key in pool:
-                n = len(key)
-                # the last token first: most keys differ there, and it costs no copy
-                if (len(best) < n < len(toks) and toks[n - 1] == key[-1]
-                        and tuple(toks[:n]) == key):
-                    best = key
-        return best
+        return self.keys.longest(toks)
 
     def shared(self, toks: list[int]) -> int:
         """The longest run `toks` shares from its start with a recent prompt, at most
@@ -100,11 +141,15 @@ class PrefixCache:
         pool = self.finished if finished else self.shared_runs
         if key in self.shared_runs or key in self.finished:
             self.bytes -= kv_bytes(self._pool(key).pop(key))
+        else:
+            self.keys.insert(key)
         pool[key] = kv
         self.bytes += size
         while self.bytes > self.max_bytes:
             old = self.finished if self.finished else self.shared_runs
-            self.bytes -= kv_bytes(old.popitem(last=False)[1])
+            gone, kv_gone = old.popitem(last=False)
+            self.keys.remove(gone)
+            self.bytes -= kv_bytes(kv_gone)
         return True
 
     def kv(self, key: tuple[int, ...]) -> Any:
