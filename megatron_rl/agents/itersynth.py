@@ -98,11 +98,12 @@ class IterSynthAgent(BaseAgent):
         for step in range(state.get("step", 0), cfg.max_turns):
             context = self.planner_context(question, summary, messages)
             if cfg.stop_on_repeat and cfg.deterministic:
-                if tuple(context) in seen:
+                key = tuple(context)
+                if key in seen:
                     traj.add_label("repeated_state", traj.turns[-1] if traj.turns else None)
                     traj.metadata["repeated_at_step"] = step
                     break
-                seen.add(tuple(context))
+                seen.add(key)
             plan = await self.message(engine, traj, context, "planner")
             acted = await self.act(traj, plan, step)
             if acted is None:
