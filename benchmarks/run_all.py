@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "search_latency": ["--sizes", "10000,100000,1000000", "--queries", "1000"],
     "degeneracy": [],
     "host_allocator": [],
+    "output_layer": ["--repeats", "2"],
 }
 
 

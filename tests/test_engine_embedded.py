@@ -35,6 +35,7 @@ from megatron_rl.engines.embedded_core import (
 )
 from megatron_rl.engines.http_client import HttpEngine
 from megatron_rl.engines.lean_decode import lean_decode
+from megatron_rl.engines.output_layer import TransposedOutputLayer
 from megatron_rl.engines.sglang_schema import TypeChecker
 from megatron_rl.engines.tensors import encode_safetensors
 from megatron_rl.models.registry import get_model_spec
@@ -725,6 +726,60 @@ def test_the_engine_runs_each_rms_norm_as_one_op_with_the_same_outputs(name: str
     ids = torch.tensor([mixed_prompts(1, 40, 40, seed=3)[0]] * 2)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_engine_computes_logits_from_a_transposed_output_layer(tied: bool, monkeypatch
+                                                                   ) -> None:
+    """The engine swaps `lm_head` for the transposed layer: the same Parameter (name, storage,
+    tying), logits bit for bit F.linear's from 4 rows on and within float rounding below, the
+    copy rebuilt after a weight load (by either engine on a shared model); a layer too large
+    to copy stays nn.Linear."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = get_model_spec("tiny-moe").hf_config()
+    cfg.vocab_size, cfg.tie_word_embeddings = 2048, tied
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    storage = {n: p.data_ptr() for n, p in model.named_parameters()}
+    weight = model.lm_head.weight
+    core = EmbeddedCore(model, threads=1)
+    assert isinstance(model.lm_head, TransposedOutputLayer) and core.output_layer is model.lm_head
+    assert model.lm_head.weight is weight
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == storage
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine's thread count (MKL rounds by it)
+    try:
+        with torch.no_grad():
+            for rows in (1, 2, 3, 4, 5, 16, 33):
+                x = torch.randn(rows, cfg.hidden_size)
+                want = torch.nn.functional.linear(x, weight)
+                got = model.lm_head(x)
+                assert got.shape == (rows, 2048)
+                if rows >= 4:
+                    assert torch.equal(got, want), rows
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            x = torch.randn(3, 1, cfg.hidden_size)  # a prefill's [rows, 1, hidden]
+            torch.testing.assert_close(model.lm_head(x), torch.nn.functional.linear(x, weight))
+            other = EmbeddedCore(model, threads=1)  # a second engine on the same model
+            assert other.output_layer is core.output_layer
+            for engine in (core, other):
+                new = torch.randn(2048, cfg.hidden_size)
+                engine.load_weights([("lm_head.weight", new)], None)
+                x = torch.randn(8, cfg.hidden_size)
+                assert torch.equal(model.lm_head(x), torch.nn.functional.linear(x, new))
+            weight.add_(1.0)  # written in place outside the engine (as a test's reference is)
+            assert torch.equal(model.lm_head(x), torch.nn.functional.linear(x, weight))
+            twin = copy.deepcopy(model)
+            twin.lm_head.weight.mul_(2.0)
+            assert torch.equal(twin.lm_head(x), torch.nn.functional.linear(x, 2 * weight))
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr("megatron_rl.engines.output_layer.MAX_COPY_BYTES", 1024)
+    plain = hf_model("tiny-moe")
+    assert EmbeddedCore(plain).output_layer is None and type(plain.lm_head) is torch.nn.Linear
 
 
 def test_a_norm_of_another_formula_is_not_fused() -> None:

@@ -30,6 +30,7 @@ import torch
 from megatron_rl.checkpoint.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
 from megatron_rl.engines.base import MEMORY_TAGS  # SGLang's tags; none given = all
 from megatron_rl.engines.lean_decode import lean_decode, pad_bias
+from megatron_rl.engines.output_layer import transpose_output_layer
 from megatron_rl.engines.prefix_cache import PrefixCache
 from megatron_rl.engines.shared_weights import SharedWeightStore
 
@@ -396,6 +397,7 @@ class EmbeddedCore:
         # model's decode step is per-op overhead: 2 threads ran batches of 8-16 rows at 0.65-0.8x
         # the tokens/s of 1 (benchmarks/engine_vs_generate.py --threads)
         self.threads = threads
+        self.output_layer = transpose_output_layer(model, threads)  # rebuilt on weight loads
         self.tokenizer = tokenizer
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -1027,6 +1029,8 @@ class EmbeddedCore:
         self.control_log.append(("load_weights", tuple(sorted(self.released_tags))))
 
     def _weights_changed(self) -> None:
+        if self.output_layer is not None:
+            self.output_layer.refresh()
         if self.prefixes is not None:  # their keys and values came from the old weights
             self.prefixes.clear()
 
