@@ -777,6 +777,9 @@ def test_the_engine_computes_logits_from_a_transposed_output_layer(tied: bool, m
             assert torch.equal(twin.lm_head(x), torch.nn.functional.linear(x, 2 * weight))
     finally:
         torch.set_num_threads(threads)
+    x = torch.randn(5, cfg.hidden_size, requires_grad=True)  # training the model still works
+    model.lm_head(x).sum().backward()
+    assert weight.grad is not None and x.grad is not None
     monkeypatch.setattr("megatron_rl.engines.output_layer.MAX_COPY_BYTES", 1024)
     plain = hf_model("tiny-moe")
     assert EmbeddedCore(plain).output_layer is None and type(plain.lm_head) is torch.nn.Linear

@@ -45,9 +45,13 @@ class TransposedOutputLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if torch.is_grad_enabled() and w.requires_grad:  # training: the weight's gradient
+            return torch.nn.functional.linear(x, w)
         now = (w._version, w.data_ptr())
         if self.transposed is None or now != self.made_from:
-            self.transposed, self.made_from = w.detach().t().contiguous(), now
+            with torch.inference_mode(False):  # a plain tensor, usable outside the engine too
+                self.transposed = w.detach().t().contiguous()
+            self.made_from = now
         return torch.matmul(x, self.transposed)
 
 
