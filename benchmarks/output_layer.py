@@ -63,13 +63,10 @@ def engine(vocab: int, repeats: int, new_tokens: int, n_episodes: int, seed: int
     cfg.vocab_size, cfg.tie_word_embeddings = vocab, True
     net = AutoModelForCausalLM.from_config(cfg).float().eval()
     plain = copy.deepcopy(net)
-    cores = {"F.linear": EmbeddedCore(plain, threads=1), "transposed": EmbeddedCore(net, threads=1)}
+    cores = {"F.linear": EmbeddedCore(plain, threads=1),
+             "transposed": EmbeddedCore(net, threads=1, fast_output_layer=True)}
     if cores["transposed"].output_layer is None:
         raise SystemExit("the probe kept F.linear on this machine: nothing to compare")
-    head = cores["F.linear"].output_layer  # the engine as it was: its own nn.Linear
-    plain.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
-    plain.lm_head.weight = head.weight
-    cores["F.linear"].output_layer = None
     eps = episodes("itersynth", n_episodes, 6, vocab, seed + 1)
     times: dict[str, list[float]] = {k: [] for k in cores}
     outs = {}

@@ -731,10 +731,10 @@ def test_the_engine_runs_each_rms_norm_as_one_op_with_the_same_outputs(name: str
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_engine_computes_logits_from_a_transposed_output_layer(tied: bool, monkeypatch
                                                                    ) -> None:
-    """The engine swaps `lm_head` for the transposed layer: the same Parameter (name, storage,
-    tying), logits bit for bit F.linear's from 4 rows on and within float rounding below, the
-    copy rebuilt after a weight load (by either engine on a shared model); a layer too large
-    to copy stays nn.Linear."""
+    """With `fast_output_layer` the engine swaps `lm_head` for the transposed layer: the same
+    Parameter (name, storage, tying), logits bit for bit F.linear's from 4 rows on and within
+    float rounding below, the copy rebuilt after a weight load (by either engine on a shared
+    model); without it, or for a layer too large to copy, `lm_head` stays nn.Linear."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -743,7 +743,9 @@ def test_the_engine_computes_logits_from_a_transposed_output_layer(tied: bool, m
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     storage = {n: p.data_ptr() for n, p in model.named_parameters()}
     weight = model.lm_head.weight
-    core = EmbeddedCore(model, threads=1)
+    assert EmbeddedCore(model).output_layer is None  # off by default: F.linear's bits
+    assert type(model.lm_head) is torch.nn.Linear
+    core = EmbeddedCore(model, threads=1, fast_output_layer=True)
     assert isinstance(model.lm_head, TransposedOutputLayer) and core.output_layer is model.lm_head
     assert model.lm_head.weight is weight
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
@@ -763,7 +765,7 @@ def test_the_engine_computes_logits_from_a_transposed_output_layer(tied: bool, m
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             x = torch.randn(3, 1, cfg.hidden_size)  # a prefill's [rows, 1, hidden]
             torch.testing.assert_close(model.lm_head(x), torch.nn.functional.linear(x, weight))
-            other = EmbeddedCore(model, threads=1)  # a second engine on the same model
+            other = EmbeddedCore(model, threads=1, fast_output_layer=True)  # on the same model
             assert other.output_layer is core.output_layer
             for engine in (core, other):
                 new = torch.randn(2048, cfg.hidden_size)
@@ -782,7 +784,8 @@ def test_the_engine_computes_logits_from_a_transposed_output_layer(tied: bool, m
     assert weight.grad is not None and x.grad is not None
     monkeypatch.setattr("megatron_rl.engines.output_layer.MAX_COPY_BYTES", 1024)
     plain = hf_model("tiny-moe")
-    assert EmbeddedCore(plain).output_layer is None and type(plain.lm_head) is torch.nn.Linear
+    assert EmbeddedCore(plain, fast_output_layer=True).output_layer is None
+    assert type(plain.lm_head) is torch.nn.Linear
 
 
 def test_a_norm_of_another_formula_is_not_fused() -> None:

@@ -142,12 +142,14 @@ class EmbeddedServer:
                  context_length: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY,
                  max_weight_body_bytes: int = DEFAULT_MAX_WEIGHT_BODY,
                  control_timeout_s: float = 120.0, shutdown_timeout_s: float = 2.0,
-                 threads: int | None = None, prefix_cache: bool = True):
+                 threads: int | None = None, prefix_cache: bool = True,
+                 fast_output_layer: bool = False):
         self.core = EmbeddedCore(model, tokenizer, weight_version=weight_version,
                                  max_batch_size=max_batch_size,
                                  return_original_logprob=return_original_logprob,
                                  context_length=context_length, threads=threads,
-                                 prefix_cache=prefix_cache)
+                                 prefix_cache=prefix_cache,
+                                 fast_output_layer=fast_output_layer)
         self.tokenizer = tokenizer
         self.host, self.port = host, port
         self.model_path = model_path
@@ -720,6 +722,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="intra-op threads of the generation loop (0: torch's default)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="run every prompt in full (no prefixes kept between requests)")
+    p.add_argument("--fast-output-layer", action="store_true",
+                   help="logits from a transposed copy of the output weight (faster at few "
+                   "rows; not bit for bit F.linear's: engines/output_layer.py)")
     p.add_argument("--return-original-logprob", action="store_true",
                    help="log-probs of the raw logits (SGLANG_RETURN_ORIGINAL_LOGPROB)")
     p.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY / MiB,
@@ -741,7 +746,8 @@ def main(argv: list[str] | None = None) -> None:
               max_body_bytes=int(args.max_body_mb * MiB),
               max_weight_body_bytes=int(args.max_weight_body_mb * MiB),
               control_timeout_s=args.control_timeout_s, threads=args.threads or None,
-              prefix_cache=not args.no_prefix_cache)
+              prefix_cache=not args.no_prefix_cache,
+              fast_output_layer=args.fast_output_layer)
     if args.model:
         server = EmbeddedServer.from_pretrained(args.model, **kw)
     else:

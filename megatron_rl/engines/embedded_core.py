@@ -390,14 +390,16 @@ class EmbeddedCore:
                  max_batch_size: int = 32, return_original_logprob: bool = False,
                  context_length: int | None = None,
                  prefill_call_tokens: int = PREFILL_CALL_TOKENS, threads: int | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, fast_output_layer: bool = False):
         self.model = model.eval()
         self.fused_norms = fuse_rms_norms(model)
         # intra-op threads of the engine's own thread (OpenMP's setting is per thread). A tiny
         # model's decode step is per-op overhead: 2 threads ran batches of 8-16 rows at 0.65-0.8x
         # the tokens/s of 1 (benchmarks/engine_vs_generate.py --threads)
         self.threads = threads
-        self.output_layer = transpose_output_layer(model, threads)  # rebuilt on weight loads
+        # opt-in (`rollout.fast_output_layer`): logits within float rounding of F.linear's
+        self.output_layer = (transpose_output_layer(model, threads) if fast_output_layer
+                             else None)  # rebuilt on weight loads
         self.tokenizer = tokenizer
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)

@@ -65,6 +65,7 @@ class EmbeddedKind:
                "--max-batch-size", str(spec.max_batch_size), "--threads", str(spec.threads),
                "--control-timeout-s", str(spec.control_timeout_s)]
         cmd += [] if spec.prefix_cache else ["--no-prefix-cache"]
+        cmd += ["--fast-output-layer"] if spec.fast_output_layer else []
         cmd += (["--model", str(spec.model_path)] if spec.model_path
                 else ["--random-init", str(spec.random_init), "--seed", str(spec.seed)])
         return cmd, {}, None
@@ -113,6 +114,7 @@ class EngineSpec:
     max_batch_size: int = 32                # embedded
     threads: int = 0                        # embedded: generation threads (0: torch's)
     prefix_cache: bool = True               # embedded: shared prompt prefixes run once
+    fast_output_layer: bool = False         # embedded: logits from a transposed copy
     gpus: int = 0                           # sglang: TP size
     colocated: bool = False                 # sglang: memory saver for release/resume
     sglang: dict[str, Any] = field(default_factory=dict)  # more SGLangConfig fields

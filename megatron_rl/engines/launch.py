@@ -85,7 +85,8 @@ def start_engines(cfg: Config, spec: Any, tokenizer: Any,
         model = transformers.AutoModelForCausalLM.from_config(spec.hf_config())
         server = EmbeddedServer(model, tokenizer, max_batch_size=ro.max_batch_size,
                                 threads=engine_threads(ro),
-                                prefix_cache=ro.prefix_cache).start()
+                                prefix_cache=ro.prefix_cache,
+                                fast_output_layer=ro.fast_output_layer).start()
         return Engines(HttpEngine(server.url), [server.url], {}, None, server.core, server.stop)
     import ray
 

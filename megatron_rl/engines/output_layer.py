@@ -1,13 +1,21 @@
-"""The embedded engine's output layer: vocabulary logits from a transposed copy of its weight.
+"""The embedded engine's output layer: vocabulary logits from a transposed copy of its weight
+(opt-in: `rollout.fast_output_layer`, `--fast-output-layer`).
 
 `F.linear(x, W)` on the [vocab, hidden] weight makes MKL pack the whole matrix for every call
 (`sgemm_scopy_right16`), and below 4 rows it takes a GEMV path that is slower still: for the
 quickstart's 34,048 x 128 layer on one thread, 2.6 / 4.3 / 7.0 / 3.0 / 4.1 ms at 1 / 2 / 3 / 4 /
 16 rows, where `x @ Wt` on a contiguous [hidden, vocab] copy took 0.5 / 0.9 / 1.3 / 1.8 / 3.0 ms
-(`benchmarks/output_layer.py`). At 4 rows and more both run the same GEMM kernel and give the
-same logits bit for bit, which a probe checks before the swap; below 4 the GEMV's rounding
-differed from the GEMM's anyway, so a row's logits no longer depend on how many rows share its
-step. The copy costs the layer's bytes once more and is rebuilt after every weight update.
+(`benchmarks/output_layer.py`). From 4 rows on both run the same GEMM kernel and give the same
+logits bit for bit, which a probe checks before the swap; below 4 they differ by float rounding
+(as F.linear's own 1-3 rows differ from its 4). The copy costs the layer's bytes once more and
+is rebuilt after every weight update.
+
+Why it is not the default: with F.linear, every path to a prompt's logits (a full prefill, a
+suffix after a cached prefix, a one-token turn through the decode step) gives the same bits,
+so outputs do not depend on what the prefix cache held; through the copy they did by an ulp
+(a prompt served before or after others that share its opening: 1 of 6 outputs' log-probs
+differed; the cause is not pinned down), so a run resumed after SIGKILL, its cache empty, no
+longer repeated an uninterrupted run's step bit for bit.
 """
 
 from __future__ import annotations

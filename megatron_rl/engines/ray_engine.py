@@ -585,7 +585,7 @@ def engine_spec(cfg: RolloutConfig, *, model_path: str | None = None, engine: st
     return EngineSpec(kind=engine or cfg.engine, model_path=path,
                       random_init=None if path else random_init,
                       max_batch_size=cfg.max_batch_size, threads=engine_threads(cfg),
-                      prefix_cache=cfg.prefix_cache,
+                      prefix_cache=cfg.prefix_cache, fast_output_layer=cfg.fast_output_layer,
                       gpus=cfg.engine_gpus if gpus is None else gpus,
                       colocated=cfg.layout == "colocated" and gpus is None,
                       max_restarts=cfg.max_restarts, health_interval_s=cfg.health_interval_s,
