@@ -30,7 +30,7 @@ import torch
 from megatron_rl.checkpoint.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize_named
 from megatron_rl.engines.base import MEMORY_TAGS  # SGLang's tags; none given = all
 from megatron_rl.engines.lean_decode import lean_decode, pad_bias
-from megatron_rl.engines.output_layer import transpose_output_layer
+from megatron_rl.engines.output_layer import TransposedOutputLayer, transpose_output_layer
 from megatron_rl.engines.prefix_cache import PrefixCache
 from megatron_rl.engines.shared_weights import SharedWeightStore
 
@@ -1031,8 +1031,9 @@ class EmbeddedCore:
         self.control_log.append(("load_weights", tuple(sorted(self.released_tags))))
 
     def _weights_changed(self) -> None:
-        if self.output_layer is not None:
-            self.output_layer.refresh()
+        head = getattr(self.model, "lm_head", None)
+        if isinstance(head, TransposedOutputLayer):  # this engine's, or another's on the model
+            head.refresh()
         if self.prefixes is not None:  # their keys and values came from the old weights
             self.prefixes.clear()
 
