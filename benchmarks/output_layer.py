@@ -5,7 +5,7 @@ it, and a full batch (16 episodes) no slower (>= 0.95x).
 
 The layer alone: ms per call at 1-32 rows, one thread, the quickstart's 34,048 x 128 shape, and
 whether the logits are bit for bit F.linear's. The engine: two engines on copies of one seeded
-random `tiny-moe-agent` (tied embeddings), one with the layer swapped back to nn.Linear, serve
+random `tiny-moe-agent` (tied embeddings), one with `fast_output_layer` and one without, serve
 `benchmarks/prefix_cache.py`'s IterSynth stream (alternating Planner and Synthesizer prompts,
 80 greedy tokens a turn), interleaved, best of `--repeats`; the outputs are compared. 3
 episodes: an RL step's tail, where most of its decode steps run (the quickstart's RL stage, 3

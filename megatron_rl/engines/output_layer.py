@@ -40,14 +40,6 @@ class TransposedOutputLayer(torch.nn.Module):
         self.transposed: torch.Tensor | None = None
         self.made_from: tuple[int, int] = (-1, 0)  # (version, data_ptr) of the copied weight
 
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
     def refresh(self) -> None:
         self.transposed = None
 
