@@ -670,8 +670,11 @@ def _add_data_commands(sub: Any) -> None:
                     help="every space its own token: a name has the same ids after a space "
                     "and after a quote (what copying it into a tool call needs)")
     tk.add_argument("--title-tokens", dest="title_tokens", action="store_true",
-                    help="every page title and URL one token, on top of --vocab-size (a tiny "
-                    "model copies a name into a call as one id)")
+                    help="every page title one token, on top of --vocab-size (a tiny model "
+                    "copies a name into a call as one id; a URL that spells its title, as the "
+                    "generated world's do, holds that id too)")
+    tk.add_argument("--url-tokens", dest="url_tokens", action="store_true",
+                    help="every page URL one token as well (URLs that do not spell their title)")
     tk.set_defaults(func=_data_tokenizer)
     for action in dsub.choices.values():  # bad input is an error that names it, not a trace
         action.set_defaults(func=_user_errors(action.get_default("func")))
@@ -692,13 +695,20 @@ def _data_tokenizer(args: argparse.Namespace) -> int:
         # weighted like a corpus of that many episodes: merges for the system prompts too
         yield from agent_scaffolding() * args.scaffolding_weight
 
-    def titles():
+    def pages():
         for path in args.corpus:
             for _where, row in iter_rows(Path(path)):
-                yield from (row[k] for k in ("title", "url") if isinstance(row.get(k), str))
+                yield tuple(row[k] if isinstance(row.get(k), str) else "" for k in ("title", "url"))
 
+    rows = list(pages()) if args.title_tokens or args.url_tokens else []
+    words = ([t for t, _ in rows if t] * args.title_tokens +
+             [u for _, u in rows if u] * args.url_tokens)
+    # a URL that ends in its title (the world's): the part before it one id as well, so the
+    # URL is two ids, not the dozen its punctuation splits into
+    prefixes = [u[:-len(t)] for t, u in rows
+                if args.title_tokens and t and u.endswith(t) and len(u) > len(t)]
     tokenizer = train_chat_tokenizer(texts(), args.vocab_size, args.isolate_spaces,
-                                     words=titles() if args.title_tokens else ())
+                                     words=words, prefixes=prefixes)
     out = Path(args.out)
     tmp = out.with_name(f".tmp-{out.name}")
     tokenizer.save_pretrained(tmp)

@@ -45,24 +45,19 @@ from megatron_rl.utils.metrics import read_metrics
 class Budget:
     """What a quickstart run spends; `SMOKE` is the test's."""
 
-    pages: int = 16000       # 344 unique-step 2-hop questions (8000 pages: 213), but 34k ids
-                             # (titles and URLs) instead of 18k
+    pages: int = 16000       # 344 unique-step 2-hop questions (8000 pages: 213); 18k ids
     questions: int = 600
     held_out_fraction: float = 0.2
     rl_fraction: float = 0.3  # RL's own questions: answers neither SFT nor held-out has
     one_hop_questions: int = 3000  # extra one-hop SFT episodes, none touching a held-out page
-    vocab_size: int = 2048   # BPE merges; every page title and URL is one more id on top
+    vocab_size: int = 2048   # BPE merges; every page title is one more id on top (a world
+                             # URL is its prefix's id and its title's)
     pretrain_steps: int = 300      # next-token steps on page windows before SFT
-    # SFT stops at step 550 of a 650-step cosine schedule (LR still 2.6e-4). Checkpoints of
-    # one run, held-out pass@1 at steps 450/500/550/600/650: 0.10/0.29/0.10/0.36/0.36, with
-    # teacher-forced steps alike from 450 on (searches, visits, answers 100 %, notes 39-50 %
-    # exact): the policy has learnt to copy but 42 of 69 episodes at 550 still search until
-    # the turn budget, which RL learns to stop (from 650, where SFT already stops: 0.36 ->
-    # 0.39). Two fresh clones, 24 RL steps at T 0.4, 3 seeds each: 0.029 -> 0.251 ± 0.042 and
-    # 0.237 ± 0.044 greedy, 0.152 -> 0.309 ± 0.011 and 0.300 ± 0.041 sampled (2026-12-05;
-    # 0.087 -> 0.256 ± 0.030 from the checkpoint before per-sequence attention).
-    # docs/algorithms.md, "SFT stopped before its schedule ends", "Sampling where the eval
-    # decodes"
+    # SFT stops at step 550 of a 650-step cosine schedule (LR still 2.6e-4), chosen when the
+    # policy still looped there (docs/algorithms.md, "SFT stopped before its schedule ends").
+    # Since world URLs spell their titles (session 31) the same budget gives held-out pass@1
+    # 0.435, and RL 0.589 ± 0.036 over 3 seeds (+15.5); 400 steps with shared prefixes gave
+    # 0.058, and RL 0.174 from it (docs/algorithms.md, "URLs that spell their titles")
     sft_steps: int = 550
     sft_decay_steps: int = 650
     # ~22 s each with refills (settled questions skipped: 37 s without); seed 0's held-out
@@ -155,9 +150,9 @@ def _sft_stage(out: Path, name: str, run: Path, demos: tuple[str, str], seed: in
         f"optim.lr_decay_steps={b.sft_decay_steps}",
         "train.global_batch_size=16", *SFT_OPTIM, f"sft.copy_loss_weight={SFT_COPY_WEIGHT}",
         "train.max_tokens_per_microbatch=4096", f"train.seed={seed}",
-        # the stop at step 550 was chosen on the checkpoint these exact numerics write: shared
-        # prefixes (0.67x the step time) only move float rounding, yet gave a checkpoint
-        # from which RL added 16.9 points, not 22.7 (docs/algorithms.md, "Shared prefixes")
+        # shared prefixes (0.67x the step time) count a shared opening once in the MoE
+        # balancing loss: other checkpoints, weaker ones in each try so far (docs/algorithms.md,
+        # "Shared prefixes", "URLs that spell their titles")
         "train.share_prefixes=false",
         f"train.output_dir={run}", f"checkpoint.dir={run / 'checkpoints'}",
         "checkpoint.save_every=0", "checkpoint.export_hf=true"], run / "hf",

@@ -87,11 +87,11 @@ def oracle_messages(question: str, path: OraclePath, family: Any, agent: str) ->
     return out
 
 
-_RESULT = re.compile(r"\[([^\]\n]+)\]\((https?://[^)\s]+)\)")
+_RESULT = re.compile(r"\[([^\]\n]+)\]\((https?://[^)\n]+)\)")  # a world URL holds spaces
 _RESULT_LINE = re.compile(r"^\s*\d+\. \[[^\]\n]*\]\([^)\n]*\)\s*$", re.M)  # a result's title
 _VISITED = re.compile(r"^\[\d+\] visit (\{.*\})$", re.M)
 # a page to read, written as the results list it (a copy the policy can make token by token)
-_PAGE_LINE = re.compile(r"^- \[(.+?)\]\((https?://\S+?)\)( \(read\))?$")
+_PAGE_LINE = re.compile(r"^- \[(.+?)\]\((https?://[^)\n]+)\)( \(read\))?$")
 READ = " (read)"  # a page line's mark once the page was visited
 NOTHING_YET = "- nothing yet"
 

@@ -98,6 +98,11 @@ def test_page_lookup(world, index):
     assert got is not None and got.text == page["text"] and got.title == page["title"]
     assert index.page(page["url"] + "/") is not None, "trailing slash forgiven"
     assert index.page("https://nowhere.test/x") is None
+    # a world URL spells its title, spaces included; a wiki's other spellings find it too
+    page = next(p for p in world.pages() if " " in p["title"])
+    assert page["url"].endswith("/" + page["title"])
+    for spelling in (page["url"].replace(" ", "_"), page["url"].replace(" ", "%20")):
+        assert index.page(spelling).url == page["url"], spelling
 
 
 def test_cli_build_jsonl_and_overwrite(tmp_path, capsys):

@@ -279,6 +279,11 @@ def test_synthesizer_that_drops_or_misses_a_fact_scores_lower(world, tools, scor
                      "(https://en.worldwiki.test/wiki/Made_Up_Page)")
     assert cited.dimensions["grounding"] == 5.0 and cited.score == 1.0
     assert invented.dimensions["grounding"] == 1.0 and invented.score == pytest.approx(0.8)
+    # a world URL holds its title's spaces: a link's whole target counts, not its first word
+    assert " " in url
+    for made_up in (f"[{founder}]({url} Jr)", f"<{url} Jr>"):
+        wrong = synth(f"Notes: {company} was founded by {founder}. {stated} {made_up}")
+        assert wrong.dimensions["grounding"] == 1.0, made_up
     assert wholesale.dimensions["concision"] == 1.0
     assert keeps.score > drops.score and keeps.score > misses.score > 0
     # names and sentences match without case and spacing, on word boundaries

@@ -105,3 +105,34 @@ def test_copy_loss_weight_scales_names_copied_from_the_context(tmp_path):
              if t in (copied, unseen)]
     assert [m for _, m in names] == [1, 5.0, 1, 5.0, 5.0], names
     assert text.stats["copy_tokens"] == 3
+
+
+def test_a_world_url_is_its_prefix_and_its_title(tmp_path):
+    """`--title-tokens` on the generated world: a URL is two ids (the prefix, then the title's
+    own id), so the vocabulary holds no id per URL; `--url-tokens` gives each URL one."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from megatron_rl.cli import main
+    from megatron_rl.data.world import BASE_URL
+    from megatron_rl.utils.tokens import added_word_ids
+
+    corpus = tmp_path / "corpus.parquet"
+    assert main(["data", "world", "--pages", "200", "--seed", "3", "--out", str(corpus)]) == 0
+    rows = pq.read_table(corpus).to_pylist()
+    for flags, extra in ((["--title-tokens"], 1), (["--title-tokens", "--url-tokens"], 201)):
+        out = tmp_path / f"tok{extra}"
+        assert main(["data", "tokenizer", "--corpus", str(corpus), "--out", str(out),
+                     "--vocab-size", "400", *flags]) == 0
+        tok = AutoTokenizer.from_pretrained(out)
+        assert len(tok) == 400 + len(rows) + extra  # titles, the prefix[, every URL]
+        page = next(r for r in rows if " " in r["title"])
+        ids = tok.encode(f'{{"url": "{page["url"]}"}}', add_special_tokens=False)
+        title, prefix = tok.convert_tokens_to_ids([page["title"], BASE_URL])
+        if extra == 1:
+            assert ids[-4:-2] == [prefix, title]
+        else:
+            assert tok.convert_tokens_to_ids(page["url"]) in ids
+        assert tok.decode(ids) == f'{{"url": "{page["url"]}"}}'
+        # a copy the SFT weighs up is a whole word, never the prefix every URL opens with
+        assert title in added_word_ids(tok) and prefix not in added_word_ids(tok)

@@ -64,7 +64,8 @@ def tiny_qwen3_tokenizer(vocab_size: int = 512) -> Any:
 
 
 def train_chat_tokenizer(texts: Iterable[str], vocab_size: int,
-                         isolate_spaces: bool = False, words: Iterable[str] = ()) -> Any:
+                         isolate_spaces: bool = False, words: Iterable[str] = (),
+                         prefixes: Iterable[str] = ()) -> Any:
     """A ChatML tokenizer trained on `texts`: byte-level BPE with Qwen3's special, tool and
     think tokens and its chat template, `vocab_size` ids in all (an HF fast tokenizer;
     `save_pretrained` writes a folder transformers loads offline).
@@ -91,9 +92,12 @@ def train_chat_tokenizer(texts: Iterable[str], vocab_size: int,
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
-    # whole words (page titles, URLs): one id each wherever they stand, on top of vocab_size
+    # whole words (page titles, URLs): one id each wherever they stand, on top of vocab_size;
+    # prefixes (a URL's part before its title) one id even when a word follows at once
     tok.add_tokens([AddedToken(w, special=False, normalized=False, single_word=True)
                     for w in dict.fromkeys(words) if w.strip() == w and w])
+    tok.add_tokens([AddedToken(p, special=False, normalized=False)
+                    for p in dict.fromkeys(prefixes) if p.strip() == p and p])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>")
     fast.chat_template = QWEN3_TEMPLATE

@@ -54,7 +54,7 @@ from megatron_rl.utils.chat_client import UNTRUSTED_NOTE, ChatClient, ClientConf
 
 # -- the page graph ---------------------------------------------------------------------------
 
-_URL = re.compile(r"<(https?://[^\s>]+)>")
+_URL = re.compile(r"<(https?://[^>\n]+)>")  # a link's target; a world URL holds spaces
 
 
 @dataclass

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import tantivy
 
@@ -356,8 +357,11 @@ class SearchIndex:
         return hits
 
     def page(self, url: str) -> Page | None:
-        for candidate in dict.fromkeys([url, url.strip(), url.strip().rstrip("/"),
-                                        url.strip() + "/"]):
+        u = url.strip()
+        # as written first; then the spellings a wiki treats as the same page (`%20`, `_` or a
+        # space between a title's words)
+        spaced, joined = unquote(u).replace("_", " "), unquote(u).replace(" ", "_")
+        for candidate in dict.fromkeys([url, u, u.rstrip("/"), u + "/", spaced, joined]):
             q = tantivy.Query.term_query(self._schema, "url", candidate)
             hits = self._searcher.search(q, 1, count=False).hits
             if hits:

@@ -56,7 +56,8 @@ WORLD_RUBRIC_DIR = RUBRIC_DIR / "world"
 # the dimensions each role's rules can score; a rubric file may use any subset of them
 RULES = {"planner": ("next_hop", "non_redundancy", "answer_timing"),
          "synthesizer": ("retention", "extraction", "concision", "grounding")}
-_URL = re.compile(r"https?://[^\s<>()\[\]\"']+")
+# a link's target, `(URL)` or `<URL>` (a world URL holds spaces), else a bare URL
+_URL = re.compile(r"\((https?://[^)\n]+)\)|<(https?://[^>\n]+)>|(https?://[^\s<>()\[\]\"']+)")
 MAX_TEXT_CHARS = 200_000   # a longer text is matched on its first part only (bounds the work)
 MAX_QUERIES = 16           # a call's list of queries: the first ones count
 _SPECIAL = re.compile(r"<\|[A-Za-z0-9_]{1,40}\|>")  # <|im_end|>, <|endoftext|>, ...
@@ -372,7 +373,7 @@ class WorldRubricScorer:
             scores["concision"] = 5.0 if size <= self.max_summary_chars else \
                 3.0 if size <= 2 * self.max_summary_chars else 1.0
         # an invented URL is a fact the notes make up (what a weak policy writes most)
-        urls = {u.rstrip(".,;:") for u in _URL.findall(new)}
+        urls = {"".join(m).rstrip(".,;:") for m in _URL.findall(new)}
         grounded = sum(u in evidence or u in previous for u in urls)
         scores["grounding"] = _band(grounded, len(urls)) if urls else None
         detail = (f"kept {kept}/{len(established)}, extracted {found}/{len(revealed)} "
