@@ -60,8 +60,8 @@ class Budget:
     # 0.058, and RL 0.174 from it (docs/algorithms.md, "URLs that spell their titles")
     sft_steps: int = 550
     sft_decay_steps: int = 650
-    # ~22 s each with refills (settled questions skipped: 37 s without); seed 0's held-out
-    # pass@1 at steps 8/16/24: 0.26/0.25/0.29
+    # ~17 s each with refills; from the session-31 SFT checkpoint, seed 3's held-out pass@1
+    # at steps 16/24/32: 0.551/0.536/0.580 (more steps do not reach +20)
     rl_steps: int = 24
     eval_questions: int = 0        # 0: the whole held-out split
     step_episodes: int = 16        # held-out oracle episodes `eval-steps` replays per model
