@@ -170,13 +170,13 @@ def test_eval_steps_reports_per_step_accuracy_under_teacher_forcing(tmp_path):
                             pad_token_id=0)[0, len(ctx):].tolist()
     wrong = [(t + 1) % 64 for t in greedy]
     # a tokenizer whose one added word (a --title-tokens name) is id 63; a wrong turn writes it
-    from tokenizers import Tokenizer, models
+    from tokenizers import AddedToken, Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
     name = 63
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
         {f"t{i}": i for i in range(name)}, "t0")))
-    tok.add_tokens(["Some_Name"])
+    tok.add_tokens([AddedToken("Some_Name", single_word=True)])  # as --title-tokens adds
     assert tok.convert_tokens_to_ids("Some_Name") == name
     wrong[2] = name
     tok.save_pretrained(tmp_path / "m")
