@@ -46,6 +46,7 @@ from megatron_rl.records.prompt import Prompt
 from megatron_rl.records.trajectory import Trajectory
 from megatron_rl.rewards.base import references
 from megatron_rl.rewards.composite import build_judge, judge_trajectory
+from megatron_rl.utils.links import MARKDOWN_URL
 
 _SENTENCE = re.compile(r"[^\n]+?(?:\.(?=\s)|\n|$)")
 _LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
@@ -87,11 +88,11 @@ def oracle_messages(question: str, path: OraclePath, family: Any, agent: str) ->
     return out
 
 
-_RESULT = re.compile(r"\[([^\]\n]+)\]\((https?://[^)\n]+)\)")  # a world URL holds spaces
+_RESULT = re.compile(rf"\[([^\]\n]+)\]\(({MARKDOWN_URL})\)")
 _RESULT_LINE = re.compile(r"^\s*\d+\. \[[^\]\n]*\]\([^)\n]*\)\s*$", re.M)  # a result's title
 _VISITED = re.compile(r"^\[\d+\] visit (\{.*\})$", re.M)
 # a page to read, written as the results list it (a copy the policy can make token by token)
-_PAGE_LINE = re.compile(r"^- \[(.+?)\]\((https?://[^)\n]+)\)( \(read\))?$")
+_PAGE_LINE = re.compile(rf"^- \[(.+?)\]\(({MARKDOWN_URL})\)( \(read\))?$")
 READ = " (read)"  # a page line's mark once the page was visited
 NOTHING_YET = "- nothing yet"
 

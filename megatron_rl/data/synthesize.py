@@ -51,10 +51,11 @@ from megatron_rl.data.verify import (
 )
 from megatron_rl.data.world import FORWARD, RELATIONS, World, generate_world
 from megatron_rl.utils.chat_client import UNTRUSTED_NOTE, ChatClient, ClientConfig, quote_untrusted
+from megatron_rl.utils.links import ANGLE_URL
 
 # -- the page graph ---------------------------------------------------------------------------
 
-_URL = re.compile(r"<(https?://[^>\n]+)>")  # a link's target; a world URL holds spaces
+_URL = re.compile(rf"<({ANGLE_URL})>")
 
 
 @dataclass

@@ -360,7 +360,8 @@ class SearchIndex:
         u = url.strip()
         # as written first; then the spellings a wiki treats as the same page (`%20`, `_` or a
         # space between a title's words)
-        spaced, joined = unquote(u).replace("_", " "), unquote(u).replace(" ", "_")
+        plain = unquote(u)
+        spaced, joined = plain.replace("_", " "), plain.replace(" ", "_")
         for candidate in dict.fromkeys([url, u, u.rstrip("/"), u + "/", spaced, joined]):
             q = tantivy.Query.term_query(self._schema, "url", candidate)
             hits = self._searcher.search(q, 1, count=False).hits

@@ -49,6 +49,7 @@ from megatron_rl.rewards.rubric import (
     RubricResult,
     load_rubrics,
 )
+from megatron_rl.utils.links import ANGLE_URL, MARKDOWN_URL
 
 log = logging.getLogger("megatron_rl.rewards")
 
@@ -56,8 +57,8 @@ WORLD_RUBRIC_DIR = RUBRIC_DIR / "world"
 # the dimensions each role's rules can score; a rubric file may use any subset of them
 RULES = {"planner": ("next_hop", "non_redundancy", "answer_timing"),
          "synthesizer": ("retention", "extraction", "concision", "grounding")}
-# a link's target, `(URL)` or `<URL>` (a world URL holds spaces), else a bare URL
-_URL = re.compile(r"\((https?://[^)\n]+)\)|<(https?://[^>\n]+)>|(https?://[^\s<>()\[\]\"']+)")
+# a link's target, `(URL)` or `<URL>`, else a bare URL
+_URL = re.compile(rf"\(({MARKDOWN_URL})\)|<({ANGLE_URL})>|(https?://[^\s<>()\[\]\"']+)")
 MAX_TEXT_CHARS = 200_000   # a longer text is matched on its first part only (bounds the work)
 MAX_QUERIES = 16           # a call's list of queries: the first ones count
 _SPECIAL = re.compile(r"<\|[A-Za-z0-9_]{1,40}\|>")  # <|im_end|>, <|endoftext|>, ...
