@@ -139,6 +139,12 @@ def test_every_switch_of_the_loop_at_two_ranks(tmp_path):
                for p in (tmp_path / "tensorboard").iterdir())
 
 
+# The AVX2 kernels' roundings follow a matmul's shape (AMX ones less): a run held to them finds
+# any way a resumed run computes differently from an uninterrupted one, on whatever CPU.
+AVX2 = {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2"}
+
+
 def test_sigkill_then_resume_gives_a_bit_identical_next_step(tmp_path):
     """A run killed (SIGKILL, whole process group) during step 3 resumes from its step-2
     checkpoint; step 3's numbers equal an uninterrupted run's exactly."""
@@ -150,7 +156,7 @@ def test_sigkill_then_resume_gives_a_bit_identical_next_step(tmp_path):
         cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "tiny-moe-rl-cpu", *args,
                f"train.output_dir={out}", f"checkpoint.dir={out}/ckpt", *extra]
         proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, **AVX2})
         if wait:
             log, _ = proc.communicate(timeout=600)
             assert proc.returncode == 0, log[-3000:]

@@ -1040,7 +1040,7 @@ class EmbeddedCore:
     def flush_cache(self) -> None:
         """SGLang's /flush_cache: drop the cached prefixes and the prompts they came from."""
         if self.prefixes is not None:
-            self.prefixes.clear(recent=True)
+            self.prefixes.clear()
 
     def share_weights(self) -> dict[str, Any]:
         """Move the parameters into shared memory (once) and return its layout, so a trainer on

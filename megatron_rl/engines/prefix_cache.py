@@ -11,7 +11,8 @@ SGLang keeps a radix tree of every request's KV. Agents need two parts of that:
   new tokens.
 The engine computes and stores the KV; this class decides and keeps entries within a byte
 budget, least recently used out first (finished requests before shared openings). Weight
-updates clear it. The longest cached prefix of a prompt is found by walking a token trie of
+updates clear it, recent prompts included: a resumed run's fresh engine repeats the uninterrupted
+one's. The longest cached prefix of a prompt is found by walking a token trie of
 the entries' keys, in the tokens it matches, whatever the number of entries.
 """
 
@@ -93,15 +94,14 @@ class PrefixCache:
         self.tokens_saved = 0  # prompt tokens those prefixes covered
         self.tokens_computed = 0  # tokens run to build shared entries
 
-    def clear(self, recent: bool = False) -> None:
-        """Drop every entry (the weights changed: the recent prompts, tokens, stay valid), and
-        with `recent` the recent prompts too (a flush: the next prompts start cold)."""
+    def clear(self) -> None:
+        """Drop every entry and the recent prompts: the next prompts start cold, as in a fresh
+        engine (which runs get cached decides how a prompt's KV is split, and so rounded)."""
         self.shared_runs.clear()
         self.finished.clear()
         self.keys = KeyTrie()
         self.bytes = 0
-        if recent:
-            self.recent.clear()
+        self.recent.clear()
 
     def _pool(self, key: tuple[int, ...]) -> collections.OrderedDict:
         return self.shared_runs if key in self.shared_runs else self.finished
