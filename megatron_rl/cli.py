@@ -111,12 +111,20 @@ def _lm_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_arg(model: str) -> Any:
+    """`--model`: a registry entry, or an HF folder whose config.json describes the model (a
+    run started from `model.hf_path`: its vocabulary and sizes are that folder's)."""
+    from megatron_rl.models.registry import spec_from_hf
+
+    return spec_from_hf(model) if Path(model, "config.json").is_file() else model
+
+
 def _convert_hf_to_megatron(args: argparse.Namespace) -> int:
     from megatron_rl.checkpoint.convert import import_hf
     from megatron_rl.utils.logs import quiet_libraries
 
     quiet_libraries()
-    r = import_hf(args.hf, args.out, args.model, dtype=args.dtype)
+    r = import_hf(args.hf, args.out, _model_arg(args.model), dtype=args.dtype)
     print(f"[convert] {args.hf} -> {args.out} (torch_dist, loads at any TP/PP/EP layout, "
           f"{r['tensors']} chunks): {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f}s "
           f"({r['mb_per_s']:.1f} MB/s), peak RSS {r['peak_rss_mb']:.0f} MB")
@@ -137,13 +145,13 @@ def _convert_megatron_to_hf(args: argparse.Namespace) -> int:
             raise FileExistsError(f"{out} exists (pass --overwrite to replace it)")
         staged = out.parent / f".bf16-{out.name}"
         try:
-            export_hf(args.ckpt, str(staged), args.model, tokenizer_dir=args.tokenizer,
+            export_hf(args.ckpt, str(staged), _model_arg(args.model), tokenizer_dir=args.tokenizer,
                       dtype="bf16", max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                       overwrite=True)
             return _quantize_fp8(str(staged), args)
         finally:
             shutil.rmtree(staged, ignore_errors=True)
-    r = export_hf(args.ckpt, args.out, args.model, tokenizer_dir=args.tokenizer,
+    r = export_hf(args.ckpt, args.out, _model_arg(args.model), tokenizer_dir=args.tokenizer,
                   dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                   overwrite=args.overwrite)
     print(f"[convert] {args.ckpt} -> {args.out} (HF, {len(r['files'])} shard(s), "
@@ -471,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     h2m = csub2.add_parser("hf-to-megatron", help="HF folder → torch_dist (loads at any layout)")
     h2m.add_argument("--hf", required=True, help="HF checkpoint folder")
     h2m.add_argument("--out", required=True, help="torch_dist folder to create")
-    h2m.add_argument("--model", required=True, help="registry entry, e.g. qwen3-30b-a3b")
+    h2m.add_argument("--model", required=True, help="registry entry, e.g. qwen3-30b-a3b, or "
+                     "an HF folder with the model's config.json")
     h2m.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     h2m.set_defaults(func=_convert_hf_to_megatron)
     ini = csub2.add_parser("init-hf", help="a new HF folder with random weights, sized to a "
@@ -493,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     m2h = csub2.add_parser("megatron-to-hf", help="torch_dist → HF safetensors (streaming)")
     m2h.add_argument("--ckpt", required=True, help="a step folder, or a run folder with latest")
     m2h.add_argument("--out", required=True, help="HF folder to create")
-    m2h.add_argument("--model", required=True)
+    m2h.add_argument("--model", required=True, help="registry entry, or the HF folder the "
+                     "run started from (model.hf_path)")
     m2h.add_argument("--tokenizer", help="folder whose tokenizer files are copied")
     m2h.add_argument("--dtype", choices=("fp32", "bf16"), help="default: as stored")
     m2h.add_argument("--max-shard-gb", type=float, default=2.0)

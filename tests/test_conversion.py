@@ -220,6 +220,19 @@ def test_cli_converters(converted, tmp_path):
                           "--ckpt", str(tmp_path / "nope"), "--out", str(tmp_path / "x"),
                           "--model", "tiny-dense"], capture_output=True, text=True)
     assert bad.returncode == 2 and "checkpoint folder not found" in bad.stderr
+    # --model as an HF folder (a run from `model.hf_path`): its config.json sizes the model
+    cli = [sys.executable, "-m", "megatron_rl.cli", "convert"]
+    for argv in (["hf-to-megatron", "--hf", str(hf), "--out", str(tmp_path / "m2")],
+                 ["megatron-to-hf", "--ckpt", str(tmp_path / "m2"), "--out", str(tmp_path / "h2")]):
+        proc = subprocess.run([*cli, *argv, "--model", str(hf)], capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    c = cc.read_safetensors(str(tmp_path / "h2"))
+    assert all(torch.equal(a[k], c[k]) for k in a) and sorted(a) == sorted(c)
+    # ... and the checkpoint of another model is refused, naming both
+    bad = subprocess.run([*cli, "megatron-to-hf", "--ckpt", str(mcore), "--out",
+                          str(tmp_path / "x"), "--model", str(hf)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "tiny-dense" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_cli_does_not_import_torch_for_config():
