@@ -53,12 +53,12 @@ class Budget:
     vocab_size: int = 2048   # BPE merges; every page title is one more id on top (a world
                              # URL is its prefix's id and its title's)
     pretrain_steps: int = 300      # next-token steps on page windows before SFT
-    # SFT stops at step 550 of a 650-step cosine schedule (LR still 2.6e-4), chosen when the
-    # policy still looped there (docs/algorithms.md, "SFT stopped before its schedule ends").
-    # Since world URLs spell their titles (session 31) the same budget gives held-out pass@1
-    # 0.435, and RL 0.589 ± 0.036 over 3 seeds (+15.5); 400 steps with shared prefixes gave
-    # 0.058, and RL 0.174 from it (docs/algorithms.md, "URLs that spell their titles")
-    sft_steps: int = 550
+    # SFT stops at step 450 of a 650-step cosine schedule (LR still 3.0e-4): the policy
+    # copies names and stops searching but still repeats a state in 4 of 10 greedy episodes,
+    # which RL fixes. Held-out pass@1 0.275 there, RL +27.6 / +21.8 at seeds 0 / 1; from
+    # step 550 (0.435) RL added 15.5 over 3 seeds, from step 500 (0.478) 8.7 at seed 0
+    # (docs/algorithms.md, "Where SFT stops, for RL")
+    sft_steps: int = 450
     sft_decay_steps: int = 650
     # ~17 s each with refills; from the session-31 SFT checkpoint, seed 3's held-out pass@1
     # at steps 16/24/32: 0.551/0.536/0.580 (more steps do not reach +20)
@@ -515,7 +515,7 @@ def run_stages(out: Path, todo: list[Stage], run: Runner = in_subprocess,
 def _remove_stale(artifact: Path, out: Path) -> None:
     """A stage that runs again first removes what it wrote before (inside `out` only): an old
     HF export left beside the new ones would be the "latest" a later stage reads (SFT
-    re-run for 550 steps beside the 650-step export)."""
+    re-run for 450 steps beside the 550-step export)."""
     if not artifact.resolve().is_relative_to(out.resolve()):
         return
     if artifact.is_dir():
