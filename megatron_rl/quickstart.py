@@ -55,13 +55,13 @@ class Budget:
     pretrain_steps: int = 300      # next-token steps on page windows before SFT
     # SFT stops at step 450 of a 650-step cosine schedule (LR still 3.0e-4): the policy
     # copies names and stops searching but still repeats a state in 4 of 10 greedy episodes,
-    # which RL fixes. Held-out pass@1 0.275 there, RL +27.6 / +21.8 at seeds 0 / 1; from
-    # step 550 (0.435) RL added 15.5 over 3 seeds, from step 500 (0.478) 8.7 at seed 0
+    # which RL fixes. Held-out pass@1 0.275 there, RL 0.522 ± 0.029 over 3 seeds (+24.7;
+    # sampled +9.7); from step 550 (0.435) RL added 15.5, from step 500 (0.478) 8.7 at seed 0
     # (docs/algorithms.md, "Where SFT stops, for RL")
     sft_steps: int = 450
     sft_decay_steps: int = 650
-    # ~17 s each with refills; from the session-31 SFT checkpoint, seed 3's held-out pass@1
-    # at steps 16/24/32: 0.551/0.536/0.580 (more steps do not reach +20)
+    # ~17 s each with refills; from session 31's 550-step SFT checkpoint, seed 3's held-out
+    # pass@1 at steps 16/24/32: 0.551/0.536/0.580 (more steps did not add there)
     rl_steps: int = 24
     eval_questions: int = 0        # 0: the whole held-out split
     step_episodes: int = 16        # held-out oracle episodes `eval-steps` replays per model
