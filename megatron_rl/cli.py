@@ -111,20 +111,12 @@ def _lm_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_arg(model: str) -> Any:
-    """`--model`: a registry entry, or an HF folder whose config.json describes the model (a
-    run started from `model.hf_path`: its vocabulary and sizes are that folder's)."""
-    from megatron_rl.models.registry import spec_from_hf
-
-    return spec_from_hf(model) if Path(model, "config.json").is_file() else model
-
-
 def _convert_hf_to_megatron(args: argparse.Namespace) -> int:
     from megatron_rl.checkpoint.convert import import_hf
     from megatron_rl.utils.logs import quiet_libraries
 
     quiet_libraries()
-    r = import_hf(args.hf, args.out, _model_arg(args.model), dtype=args.dtype)
+    r = import_hf(args.hf, args.out, args.model, dtype=args.dtype)
     print(f"[convert] {args.hf} -> {args.out} (torch_dist, loads at any TP/PP/EP layout, "
           f"{r['tensors']} chunks): {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f}s "
           f"({r['mb_per_s']:.1f} MB/s), peak RSS {r['peak_rss_mb']:.0f} MB")
@@ -145,13 +137,13 @@ def _convert_megatron_to_hf(args: argparse.Namespace) -> int:
             raise FileExistsError(f"{out} exists (pass --overwrite to replace it)")
         staged = out.parent / f".bf16-{out.name}"
         try:
-            export_hf(args.ckpt, str(staged), _model_arg(args.model), tokenizer_dir=args.tokenizer,
+            export_hf(args.ckpt, str(staged), args.model, tokenizer_dir=args.tokenizer,
                       dtype="bf16", max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                       overwrite=True)
             return _quantize_fp8(str(staged), args)
         finally:
             shutil.rmtree(staged, ignore_errors=True)
-    r = export_hf(args.ckpt, args.out, _model_arg(args.model), tokenizer_dir=args.tokenizer,
+    r = export_hf(args.ckpt, args.out, args.model, tokenizer_dir=args.tokenizer,
                   dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                   overwrite=args.overwrite)
     print(f"[convert] {args.ckpt} -> {args.out} (HF, {len(r['files'])} shard(s), "
@@ -517,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(docs/fp8.md)")
     fp8.add_argument("--hf", required=True, help="HF checkpoint folder (bf16/fp16/fp32)")
     fp8.add_argument("--out", required=True, help="FP8 HF folder to create")
-    fp8.add_argument("--model", help="registry entry; default: from the folder's config.json")
+    fp8.add_argument("--model", help="registry entry or HF folder; default: from the "
+                     "folder's config.json")
     fp8.add_argument("--fp8-backend", dest="fp8_backend", default="auto",
                      choices=("auto", "torch", "modelopt"),
                      help="auto: nvidia-modelopt with CUDA, else plain torch (same format)")

@@ -229,6 +229,10 @@ def test_cli_converters(converted, tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
     c = cc.read_safetensors(str(tmp_path / "h2"))
     assert all(torch.equal(a[k], c[k]) for k in a) and sorted(a) == sorted(c)
+    proc = subprocess.run([*cli, "megatron-to-hf", "--ckpt", str(tmp_path / "m2"), "--out",
+                           str(tmp_path / "h8"), "--model", str(hf), "--fp8"],
+                          capture_output=True, text=True, timeout=600)  # and its FP8 twin
+    assert proc.returncode == 0 and "blockwise FP8" in proc.stdout, proc.stderr[-2000:]
     # ... and the checkpoint of another model is refused, naming both
     bad = subprocess.run([*cli, "megatron-to-hf", "--ckpt", str(mcore), "--out",
                           str(tmp_path / "x"), "--model", str(hf)], capture_output=True, text=True)

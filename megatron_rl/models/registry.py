@@ -182,8 +182,12 @@ def available_models() -> list[str]:
 
 @cache
 def get_model_spec(name: str) -> ModelSpec:
-    """Load configs/models/<name>.yaml (or a YAML path) into a validated ModelSpec."""
+    """Load configs/models/<name>.yaml (or a YAML path) into a validated ModelSpec; a name that
+    is no registry entry but an HF folder (a run from `model.hf_path`) gives that folder's spec
+    (`spec_from_hf`)."""
     path = Path(name) if name.endswith((".yaml", ".yml")) else MODELS_DIR / f"{name}.yaml"
+    if not path.is_file() and Path(name, "config.json").is_file():
+        return spec_from_hf(name)
     if not path.is_file():
         match = difflib.get_close_matches(name, available_models(), n=1)
         hint = f" (did you mean '{match[0]}'?)" if match else ""
