@@ -1,13 +1,19 @@
 """Tokens/s of one Megatron train step (tiny MoE, CPU, fp32) vs plain PyTorch, same run.
 
 The plain-PyTorch side is transformers' eager implementation of the same architecture, built
-from the same registry entry (identical parameter count), trained with torch AdamW on the same
-batch; it is built first, before the Megatron CPU shims touch torch. The two steps alternate
-(median of `--steps` each), so load from other processes hits both alike. Prints both and
-their ratio.
+from the same registry entry (identical parameter count), trained on the same batch with the
+same objective and update as the Megatron actor: the LM loss plus the MoE router's
+load-balancing loss at the entry's coefficient, gradients clipped to norm 1.0 (`optim.
+clip_grad`'s default), torch AdamW. It is built first, before the Megatron CPU shims touch
+torch. The steps alternate (median of `--steps` each), so load from other processes hits all
+alike. Also timed, for reference only: the plain step without the router loss and clipping.
 
-    python benchmarks/megatron_cpu_step.py [--model tiny-moe] [--batch 8] [--seq 256]
-        [--vocab N] [--chunk-tokens N] [--profile]
+Two cases by default: the test model at a tiny batch (`tiny-moe`, 8 x 256 tokens: fixed
+per-step costs weigh most there) and the quickstart's policy at its SFT micro-batch
+(`tiny-moe-agent` with the quickstart tokenizer's 34,048 ids, 4 x 1,024 tokens).
+
+    python benchmarks/megatron_cpu_step.py [--cases tiny-moe:8x256,tiny-moe-agent@34048:4x1024]
+        [--chunk-tokens N] [--profile]
 
 `--profile` prints, for each side, the operators with the most CPU time in one step (torch
 profiler): where the Megatron step loses against the plain one.
@@ -35,14 +41,19 @@ def _profile(step, title: str, rows: int = 18) -> None:
 
 PROFILE = False
 CHUNK = 4096
+CLIP_GRAD = 1.0  # optim.clip_grad's default, which the Megatron actor applies
 
 
-def plain_pytorch(spec, tokens: torch.Tensor):
-    """(one train step, parameter count) of transformers' eager model with torch AdamW."""
+def plain_pytorch(spec, tokens: torch.Tensor, same_update: bool = True):
+    """(one train step, parameter count) of transformers' eager model with torch AdamW.
+    `same_update`: the Megatron actor's objective and update (router load-balancing loss,
+    gradient clipping); without, the bare LM-loss step."""
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+    config = spec.hf_config()
+    config.output_router_logits = same_update and spec.is_moe  # adds the router's aux loss
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -50,6 +61,8 @@ def plain_pytorch(spec, tokens: torch.Tensor):
         opt.zero_grad(set_to_none=True)
         out = model(input_ids=tokens[:, :-1], labels=tokens[:, :-1])
         out.loss.backward()
+        if same_update:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
         opt.step()
 
     return step, sum(p.numel() for p in model.parameters())
@@ -91,15 +104,21 @@ def interleaved(steps: dict, warmup: int, n: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def parse_case(text: str) -> tuple[str, int, int, int]:
+    """'model[@vocab]:rowsxseq' → (model, vocab or 0 for the entry's, rows, seq)."""
+    name, shape = text.split(":")
+    model, _, vocab = name.partition("@")
+    rows, seq = shape.lower().split("x")
+    return model, int(vocab or 0), int(rows), int(seq)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny-moe")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--cases", default="tiny-moe:8x256,tiny-moe-agent@34048:4x1024",
+                   help="comma-separated model[@vocab]:ROWSxSEQ")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=0, help="override the entry's vocabulary")
     p.add_argument("--chunk-tokens", type=int, default=4096,
                    help="tokens per output-layer chunk (train.logprob_chunk_tokens)")
     p.add_argument("--profile", action="store_true")
@@ -112,29 +131,40 @@ def main() -> None:
     from megatron_rl.utils.logs import quiet_libraries
 
     quiet_libraries()
-    reuse_freed_memory()  # as every megatron-rl process on a CPU host (both sides alike)
+    reuse_freed_memory()  # as every megatron-rl process on a CPU host (every side alike)
     torch.set_num_threads(args.threads)
-    spec = get_model_spec(args.model)
-    if args.vocab:
-        spec = dataclasses.replace(spec, vocab_size=args.vocab)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, spec.vocab_size, (args.batch, args.seq + 1), generator=g)
-    n_tokens = args.batch * args.seq
-
-    plain_step, n_plain = plain_pytorch(spec, tokens)  # built before the shims touch torch
-    mcore_step, n_mcore = megatron(spec, tokens)
-    t = interleaved({"plain PyTorch": plain_step, "Megatron": mcore_step}, args.warmup,
-                    args.steps)
-    t_plain, t_mcore = t["plain PyTorch"], t["Megatron"]
-    plain_tps, mcore_tps = n_tokens / t_plain, n_tokens / t_mcore
-    print(f"model {args.model}: {n_mcore:,} params (plain PyTorch: {n_plain:,}); "
-          f"batch {args.batch}x{args.seq}, fp32, {args.threads} threads, median of {args.steps}")
-    print(f"{'implementation':28s} {'step (ms)':>10s} {'tokens/s':>10s}")
-    print(f"{'plain PyTorch (transformers)':28s} {t_plain * 1e3:10.1f} {plain_tps:10.0f}")
-    print(f"{'Megatron-core (local spec)':28s} {t_mcore * 1e3:10.1f} {mcore_tps:10.0f}")
-    print(f"ratio megatron/plain tokens/s = {mcore_tps / plain_tps:.2f}")
-    emit(f"Megatron CPU train step / plain PyTorch, tokens/s ({args.model})",
-         mcore_tps / plain_tps, 1.0)
+    cases = []
+    for text in args.cases.split(","):
+        model, vocab, rows, seq = parse_case(text)
+        spec = get_model_spec(model)
+        if vocab:
+            spec = dataclasses.replace(spec, vocab_size=vocab)
+        g = torch.Generator().manual_seed(0)
+        cases.append((text, spec, torch.randint(0, spec.vocab_size, (rows, seq + 1),
+                                                generator=g)))
+    # every plain model is built before the shims touch torch
+    plain = [(plain_pytorch(spec, tokens), plain_pytorch(spec, tokens, same_update=False))
+             for _, spec, tokens in cases]
+    for (text, spec, tokens), ((plain_step, n_plain), (bare_step, _)) in zip(cases, plain,
+                                                                            strict=True):
+        mcore_step, n_mcore = megatron(spec, tokens)
+        t = interleaved({"plain PyTorch": plain_step, "Megatron": mcore_step,
+                         "plain, LM loss only": bare_step}, args.warmup, args.steps)
+        n_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
+        print(f"\n{text}: {n_mcore:,} params (plain PyTorch: {n_plain:,}); batch "
+              f"{tokens.shape[0]}x{tokens.shape[1] - 1}, fp32, {args.threads} threads, median "
+              f"of {args.steps}")
+        print(f"{'implementation':40s} {'step (ms)':>10s} {'tokens/s':>10s}")
+        for name, label in (("plain PyTorch", "plain PyTorch (transformers), same update"),
+                            ("Megatron", "Megatron-core (local spec)"),
+                            ("plain, LM loss only", "plain, no router loss, no clipping")):
+            print(f"{label:40s} {t[name] * 1e3:10.1f} {n_tokens / t[name]:10.0f}")
+        ratio = t["plain PyTorch"] / t["Megatron"]
+        print(f"ratio megatron/plain tokens/s = {ratio:.3f} (against the bare plain step: "
+              f"{t['plain, LM loss only'] / t['Megatron']:.3f})")
+        vocab = f", vocab {spec.vocab_size}" if "@" in text else ""
+        emit(f"Megatron CPU train step / plain PyTorch, tokens/s ({spec.name} "
+             f"{tokens.shape[0]}x{tokens.shape[1] - 1}{vocab})", ratio, 1.0)
 
 
 if __name__ == "__main__":
