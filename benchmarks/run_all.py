@@ -6,6 +6,7 @@ and prints a `BENCHMARK-RESULT` line per goal (benchmarks/results.py); this coll
     metric | measured | goal | met?
 
     python benchmarks/run_all.py [--out runs/benchmarks] [--only weight_sync,search_latency]
+                                 [--quickstart-run runs/quickstart]
 
 Writes `<out>/results.md` (the table), `<out>/results.json` and each benchmark's full output
 (`<out>/<name>.log`). Ratios are measured side by side within one process each, so they hold
@@ -78,7 +79,12 @@ def main() -> None:
     p.add_argument("--out", default="runs/benchmarks")
     p.add_argument("--only", default="", help="comma-separated benchmark names")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per benchmark")
+    p.add_argument("--quickstart-run", type=Path, default=Path("runs/quickstart"),
+                   help="a finished quickstart: step_overhead also reports its RL stage's "
+                        "overhead share (skipped when it has no rl/metrics.jsonl)")
     a = p.parse_args()
+    rl_metrics = a.quickstart_run / "rl" / "metrics.jsonl"
+    extra = {"step_overhead": ["--from-metrics", str(rl_metrics)]} if rl_metrics.exists() else {}
     names = [n for n in a.only.split(",") if n] or list(BENCHMARKS)
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown:
@@ -87,7 +93,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows, times = [], {}
     for name in names:
-        got, times[name] = run_one(name, BENCHMARKS[name], out, a.timeout_s)
+        got, times[name] = run_one(name, BENCHMARKS[name] + extra.get(name, []), out,
+                                   a.timeout_s)
         rows += [{**r, "benchmark": name} for r in got]
     md = table(rows)
     (out / "results.md").write_text(md + "\n")
