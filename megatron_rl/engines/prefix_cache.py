@@ -51,8 +51,11 @@ class KeyTrie:
 
     def insert(self, key: tuple[int, ...]) -> None:
         node = self.root
-        for t in key:
-            node = node.children.setdefault(t, _Node())
+        for t in key:  # not setdefault: that builds a node for every token already there
+            child = node.children.get(t)
+            if child is None:
+                child = node.children[t] = _Node()
+            node = child
         node.key = key
 
     def remove(self, key: tuple[int, ...]) -> None:
