@@ -64,11 +64,21 @@ def run_one(name: str, args: list[str], out: Path, timeout_s: float) -> tuple[li
     return results, secs
 
 
+def _shown(r: dict) -> str:
+    """3 significant digits, or as many more as it takes not to round onto the goal's side
+    (0.7996 against >= 0.8 reads 0.7996, not 0.8)."""
+    for digits in (3, 4, 5, 6):
+        text = f"{r['value']:.{digits}g}"
+        if float(text) != r["goal"] or r["value"] == r["goal"]:
+            return text
+    return text
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| metric | measured | goal | met? |", "|---|---|---|---|"]
     for r in rows:
         sign = ">=" if r["better"] == "higher" else "<="
-        value = "-" if r["value"] != r["value"] else f"{r['value']:.3g} {r['unit']}".strip()
+        value = "-" if r["value"] != r["value"] else f"{_shown(r)} {r['unit']}".strip()
         goal = "-" if r["goal"] != r["goal"] else f"{sign} {r['goal']:g} {r['unit']}".strip()
         lines.append(f"| {r['metric']} | {value} | {goal} | {'yes' if r['met'] else 'no'} |")
     return "\n".join(lines)
