@@ -994,6 +994,32 @@ def test_a_turn_that_extends_a_finished_request_runs_only_its_new_tokens(model) 
     assert info["finished"] == 3 and info["shared_runs"] == 0
 
 
+def test_the_recent_prompts_share_openings_as_a_loop_over_them_would() -> None:
+    """`PrefixCache.shared` (the longest opening a prompt shares with one of the last `recent`
+    prompts, at most its length - 1) answers as comparing it with each of them would, as the
+    window slides, the matrix grows for longer prompts, and clears."""
+    from megatron_rl.engines.prefix_cache import PrefixCache
+
+    def loop(window: list[list[int]], toks: list[int]) -> int:
+        best = 0
+        for other in window:
+            n = min(len(toks), len(other))
+            best = max(best, next((i for i in range(n) if toks[i] != other[i]), n))
+        return min(best, len(toks) - 1)
+
+    rng = random.Random(1)
+    cache, window = PrefixCache(recent=5), []
+    for i in range(1500):
+        n = rng.choice([1, 2, 8, 40, 70, 200])  # past the matrix's first 64 columns too
+        toks = [rng.randrange(3) for _ in range(n)]  # 3 ids: long shared runs
+        assert cache.shared(toks) == loop(window, toks), (i, toks)
+        window = [*window, toks][-5:]
+        if rng.random() < 0.01:
+            cache.clear()
+            window = []
+    assert len(cache.recent) == len(window) == 5
+
+
 def test_the_prefix_cache_finds_the_longest_cached_prefix_as_a_scan_would() -> None:
     """The key trie answers `longest` as a scan over every entry would, through adds, key
     replacements, evictions (the trie drops the evicted keys' branches) and clears."""
