@@ -124,6 +124,9 @@ def _in_range(where: str, v: float, lo: float, hi: float, *, lo_open: bool = Fal
         raise BadRequest(f"{where}: must be in {bound}{lo:g}, {hi:g}], got {show(v)}")
 
 
+JSON_SCALARS = frozenset({int, float, str, bool, type(None)})  # json.loads' other types
+
+
 def parse_json_object(raw: bytes, where: str = "request body") -> dict[str, Any]:
     """A request body: one JSON object, nested at most MAX_JSON_DEPTH deep (400 otherwise)."""
     try:
@@ -141,6 +144,8 @@ def parse_json_object(raw: bytes, where: str = "request body") -> dict[str, Any]
         if depth > MAX_JSON_DEPTH:
             raise BadRequest(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
         children = v.values() if isinstance(v, dict) else v
+        if JSON_SCALARS.issuperset(map(type, children)):  # e.g. input_ids: no Python loop
+            continue
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return body
 
@@ -275,10 +280,12 @@ def parse_generate(body: dict[str, Any], *, vocab_size: int, context_length: int
             raise BadRequest("text: encodes to no tokens")
     if ids is None:
         raise BadRequest("input_ids: required (a non-empty list of token ids)")
-    if not (isinstance(ids, list) and ids and all(is_int(t) for t in ids)):
+    # a set of the element types first: a prompt's thousands of ids without a Python loop
+    if not (isinstance(ids, list) and ids
+            and (set(map(type, ids)) == {int} or all(is_int(t) for t in ids))):
         raise BadRequest(f"input_ids: expected a non-empty list of token ids, got {show(ids)}")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         raise BadRequest(f"input_ids: token id {show(bad[0])} is outside the vocabulary "
                          f"[0, {vocab_size})")
     if len(ids) >= context_length:
