@@ -67,8 +67,10 @@ def engine(vocab: int, repeats: int, new_tokens: int, n_episodes: int, seed: int
     cfg.vocab_size, cfg.tie_word_embeddings = vocab, True
     net = AutoModelForCausalLM.from_config(cfg).float().eval()
     plain = copy.deepcopy(net)
-    probe_kept = transpose_output_layer(copy.deepcopy(net), threads=1) is None
-    if probe_kept:  # measured anyway, swapped by hand: what the layer would give here
+    # the engine's own probe swaps the layer in place; where it keeps F.linear the layer is
+    # swapped by hand and measured anyway (the engine below then finds it swapped)
+    probe_kept = transpose_output_layer(net, threads=1) is None
+    if probe_kept:
         net.lm_head = TransposedOutputLayer(net.lm_head.weight)
         print("the engine's probe keeps F.linear on this CPU (the copy's logits are not "
               f"F.linear's bit for bit at {PROBE_ROWS} rows): the swap is forced below")

@@ -172,13 +172,12 @@ def main() -> None:
               + (f"  (phases overlap: {s.gather_s + s.convert_s + s.transfer_s:.2f} s of "
                  f"work in {s.wall_s:.2f} s)" if s.wall_s is not None else ""))
     # rates of the whole model's bytes (a per-stage sender's stats count its own share)
-    steady = {t.removesuffix(" (steady)"): nbytes / secs / memcpy for t, secs, _ in rows
-              if t.endswith("(steady)")}
+    stats = {t.removesuffix(" (steady)"): (secs, st) for t, secs, st in rows
+             if t.endswith("(steady)")}
+    steady = {t: nbytes / secs / memcpy for t, (secs, _) in stats.items()}
     one_rank = {t: r for t, r in steady.items() if " " not in t}
     best = max(one_rank, key=one_rank.get)
     emit(f"weight sync / memcpy, steady ({best})", one_rank[best], 0.8)
-    stats = {t.removesuffix(" (steady)"): (secs, st) for t, secs, st in rows
-             if t.endswith("(steady)")}
     for t in [t for t in steady if f"{t}-serial" in steady]:
         # the same transport and buckets: wall time with the look-ahead / without. It can
         # only win where the serial sync spends time gathering and converting; where that
