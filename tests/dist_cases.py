@@ -121,3 +121,54 @@ def frozen_step(overrides: list[str], ckpt: str) -> dict[str, float]:
     again.train_step(fixed_batch(seed=8), lm_loss)
     return {n: float((p.detach() - before[n]).abs().max())
             for n, p in again.model[0].module.named_parameters()}
+
+
+def single_rank_moe_against_dispatcher(model: str) -> dict:
+    """One forward/backward of the global batch with the MoE layers' single-rank path, then
+    the same with megatron's all-to-all dispatcher: metrics and every gradient, bit for bit."""
+    from megatron_rl.models.layer_specs import single_rank_moe
+
+    actor = make_actor([f"model.name={model}", "model.seq_length=32",
+                        "train.micro_batch_size=2"])
+    vocab = actor.spec.vocab_size
+    layers = [m for c in actor.model for m in c.modules() if isinstance(m, single_rank_moe())]
+    direct = [m.single_rank for m in layers]
+    batch, out = fixed_batch(seq=32, vocab=vocab), {}
+    for single in (True, False):
+        for m in layers:
+            m.single_rank = single
+        for chunk in actor.model:
+            chunk.zero_grad_buffer()
+        metrics = actor._forward_backward(batch, lm_loss, forward_only=False)
+        grads = {n: p.main_grad.clone() for c in actor.model for n, p in c.named_parameters()}
+        out[single] = (metrics, grads)
+    (m1, g1), (m0, g0) = out[True], out[False]
+    return {"layers": len(layers), "direct": direct, "metrics_equal": m1 == m0,
+            "grads_equal": sorted(n for n in g1 if torch.equal(g1[n], g0[n])) == sorted(g0),
+            "router_grad_nonzero": all(bool(g1[n].abs().sum() > 0) for n in g1
+                                       if "router" in n),
+            "loss": m1["loss"]}
+
+
+def one_rank_collectives() -> dict:
+    """The onerank and foreachnorm shims against what they replace, on a one-rank group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    make_actor([])  # initialises the groups
+    group, x = ps.get_data_parallel_group(), torch.arange(4.0)
+    ret = [dist.all_reduce(x, group=group), dist.broadcast(x, src=0, group=group),
+           dist.all_reduce(x, op=dist.ReduceOp.MAX)]
+    work = dist.all_reduce(x, group=group, async_op=True)  # async: still torch's (a Work)
+    work.wait()
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=g) for n in (7, 64, 1, 300)]
+    copies = [t.clone() for t in grads]
+    mine, _ = clip_grads.l2_norm_impl(0, None, [grads], False)
+    theirs, _ = local_multi_tensor_l2_norm(0, None, [grads], False)
+    clip_grads.multi_tensor_scale_impl(0, None, [grads, grads], 0.37)
+    local_multi_tensor_scale(0, None, [copies, copies], 0.37)
+    return {"returns": ret, "values": x.tolist(), "work": work is not None,
+            "norm_equal": torch.equal(mine, theirs),
+            "scaled_equal": all(torch.equal(a, b) for a, b in zip(grads, copies, strict=True))}

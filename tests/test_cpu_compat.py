@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_rl.models import cpu_compat
@@ -88,3 +89,25 @@ def test_transformers_unaffected_by_shims(tmp_path):
                        capture_output=True)
         out[mode] = torch.load(path, weights_only=True)
     assert torch.equal(out["shims"], out["plain"])
+
+
+def test_one_rank_collectives_and_grad_norms_as_torch_and_megatron_compute_them():
+    from tests import dist_cases
+    from tests.pools import get_pool
+
+    out = get_pool(1).run(dist_cases.one_rank_collectives)[0]
+    assert out["returns"] == [None, None, None] and out["values"] == [0.0, 1.0, 2.0, 3.0]
+    assert out["work"] and out["norm_equal"] and out["scaled_equal"]
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-qwen3.5"])
+def test_single_rank_moe_layer_is_megatrons_dispatcher_bit_for_bit(model):
+    """The MoE layer's single-rank path (aux loss on; tiny-qwen3.5 adds a gated shared
+    expert) gives the all-to-all dispatcher's loss and gradients exactly."""
+    from tests import dist_cases
+    from tests.pools import get_pool
+
+    out = get_pool(1).run(dist_cases.single_rank_moe_against_dispatcher, model)[0]
+    assert out["layers"] >= 2 and all(out["direct"])
+    assert out["metrics_equal"] and out["grads_equal"] and out["router_grad_nonzero"]
+    assert 4.0 < out["loss"] < 9.0

@@ -78,7 +78,9 @@ def torch_sdpa_attention() -> type:
                     or query.shape[0] != key.shape[0]):
                 return super().forward(query, key, value, attention_mask, attn_mask_type,
                                        attention_bias, packed_seq_params)
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+            # [b, heads, s, d]; contiguous: the flash kernel reads [s, b]-strided rows slower
+            # (forward and backward) than one copy costs
+            q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))
             spans = getattr(attention_mask, "packed_spans", None)
             if spans is not None:
                 out = self._per_sequence(q, k, v, spans)
@@ -159,6 +161,53 @@ def grouped_experts() -> type:
     return GroupedExperts
 
 
+@functools.cache
+def single_rank_moe() -> type:
+    """Megatron's `MoELayer` that, when this rank holds every expert and every token it routes
+    (EP, expert-TP and attention-TP 1), computes what its all-to-all dispatcher computes there,
+    route → permute → experts → unpermute with megatron's own `permute`/`unpermute`, without
+    the dispatcher's communication bookkeeping: split sizes, one-rank all-to-alls (autograd
+    nodes that return their input) and device-sync points, ~0.3 ms a layer forward and
+    backward on CPU. Every other configuration runs megatron's forward."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    class SingleRankMoELayer(MoELayer):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            cfg, d = self.config, self.token_dispatcher
+            self.single_rank = (
+                type(d) is MoEAlltoAllTokenDispatcher and d.ep_size == 1 and d.tp_size == 1
+                and self.attn_tp_group.size() == 1 and not d.drop_and_pad
+                and cfg.moe_expert_capacity_factor is None
+                and not cfg.moe_router_padding_for_quantization and not cfg.moe_permute_fusion
+                and not cfg.moe_latent_size and not self.moe_layer_recompute
+                and not self.shared_expert_overlap
+                and not cfg.overlap_dispatch_backward_with_experts_wgrad
+                and not hasattr(self, "_inference_token_dispatcher"))
+
+        def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+            if (not self.single_rank or intermediate_tensors is not None
+                    or self.fwd_execution_map != ["route", "expert_compute", "postprocess"]):
+                return super().forward(hidden_states, intermediate_tensors, padding_mask)
+            if padding_mask is not None:  # [b, s] → [s, b] like hidden_states
+                padding_mask = padding_mask.transpose(0, 1).bool()
+            shared = self.shared_experts_compute(hidden_states)
+            probs, routing_map = self.route(hidden_states, padding_mask)
+            tokens = hidden_states.view(-1, hidden_states.shape[-1])
+            permuted, permuted_probs, order, _, _ = permute(
+                tokens, routing_map, probs=probs,
+                num_out_tokens=routing_map.size(0) * self.config.moe_router_topk)
+            out, bias = self.experts(permuted, routing_map.sum(dim=0).long(), permuted_probs)
+            assert bias is None, "mlp_bias is not supported by the MoE layer"
+            out = unpermute(out, order, restore_shape=tokens.shape,
+                            routing_map=routing_map).view(hidden_states.shape)
+            return (out if shared is None else out + shared), None
+
+    return SingleRankMoELayer
+
+
 def _plain_gdn_out_norm():
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -198,10 +247,11 @@ def _local_block_spec(spec: ModelSpec, config: Any):
 
     mlp = get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=spec.num_experts,
                                           moe_grouped_gemm=False)
-    if spec.is_moe:  # megatron hands back partials: swap the experts' class, keep its args
+    if spec.is_moe:  # megatron hands back partials: swap the classes, keep their args
         moe = mlp.keywords["submodules"]
         moe.experts = functools.partial(grouped_experts(), *moe.experts.args,
                                         **moe.experts.keywords)
+        mlp = functools.partial(single_rank_moe(), *mlp.args, **mlp.keywords)
     kinds = spec.layer_types
     if "linear_attention" in kinds:
         from megatron_rl.models import cpu_compat
