@@ -111,3 +111,23 @@ def test_to_dict_is_strict_json_for_any_tool_call_arguments():
     data = {"a": [1, {"b": (2, "c")}], "d": -0.0, "e": 10**30}
     assert json_safe(data) == {"a": [1, {"b": [2, "c"]}], "d": -0.0, "e": 10**30}
     assert json_safe([10**5000]) == ["<int of 16610 bits>"]  # past the int/str digit limit
+
+
+def test_turn_to_dict_is_asdict_with_copies_of_the_lists():
+    """Every field, in declaration order, equal to `dataclasses.asdict` (bar the tool calls'
+    own `to_dict`), and no list shared with the live turn."""
+    import dataclasses
+
+    turn = Turn("agent", [1, 2], [3, 4], [-0.5, -1.0], [7, 7], [9], finish_reason="length",
+                text="hi", rewards={"rubric": 0.5}, labels=["degenerate"], loss_mask=[1, 0],
+                routed_experts=[[[0, 1]], [[2, 3]], [[1, 2]]])
+    turn.tool_calls.append(ToolCall("search", {"query": "x"}, observation="r"))
+    d = turn.to_dict()
+    assert list(d) == [f.name for f in dataclasses.fields(Turn)]
+    plain = dataclasses.asdict(turn)
+    plain["tool_calls"] = [c.to_dict() for c in turn.tool_calls]
+    assert d == plain
+    for name in ("context_ids", "output_ids", "output_logprobs", "loss_mask", "labels"):
+        assert d[name] is not getattr(turn, name)
+    d["routed_experts"][0][0][0] = 99
+    assert turn.routed_experts[0][0][0] == 0

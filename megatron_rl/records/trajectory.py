@@ -151,12 +151,18 @@ class Turn:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what the forest and trajectory dumps hold); tool calls via
-        `ToolCall.to_dict`."""
-        shallow = copy.copy(self)
-        shallow.tool_calls = []
-        return {**asdict(shallow), "output_logprobs": _floats_out(self.output_logprobs),
-                "rewards": json_safe(self.rewards),
-                "tool_calls": [c.to_dict() for c in self.tool_calls]}
+        `ToolCall.to_dict`. What `asdict` gives, with the flat per-token lists copied whole
+        (`asdict` copies them element by element: most of a step's trajectory dump)."""
+        return {"role": self.role, "context_ids": list(self.context_ids),
+                "output_ids": list(self.output_ids),
+                "output_logprobs": _floats_out(self.output_logprobs),
+                "weight_versions": list(self.weight_versions),
+                "observation_ids": list(self.observation_ids),
+                "tool_calls": [c.to_dict() for c in self.tool_calls],
+                "finish_reason": self.finish_reason, "text": self.text,
+                "rewards": json_safe(self.rewards), "labels": list(self.labels),
+                "loss_mask": None if self.loss_mask is None else list(self.loss_mask),
+                "routed_experts": copy.deepcopy(self.routed_experts)}
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from megatron_rl.algorithms.rdpo import SequenceAdvantages, token_advantages
@@ -49,10 +50,11 @@ def build_batch(sequences: Sequence[TrainingSequence], advantages: Sequence[Sequ
                              f"holds {width} (inputs + the last target)")
         if len(a.advantages) != n or len(a.loss_mask) != n:
             raise ValueError(f"sequence {i}: {n} tokens but {len(a.advantages)} advantages")
-        tokens[i, :n] = torch.tensor(seq.tokens)
-        mask[i, :n] = torch.tensor(a.loss_mask, dtype=torch.float)
-        adv[i, :n] = torch.tensor(a.advantages)
-        rollout[i, :n] = torch.tensor(seq.logprobs)
+        # through numpy: torch.tensor(list) takes ~8x as long for the same values
+        tokens[i, :n] = torch.from_numpy(np.array(seq.tokens, dtype=np.int64))
+        mask[i, :n] = torch.from_numpy(np.array(a.loss_mask, dtype=np.float32))
+        adv[i, :n] = torch.from_numpy(np.array(a.advantages, dtype=np.float32))
+        rollout[i, :n] = torch.from_numpy(np.array(seq.logprobs, dtype=np.float32))
     batch = TokenBatch.from_sequences(tokens, mask, **{ADVANTAGES: adv, ROLLOUT_LOGPROBS: rollout})
     if all(s.routed_experts is not None for s in sequences):
         batch.extras[ROUTED_EXPERTS] = routed_experts(sequences, rows, width)[:, :-1]
