@@ -171,4 +171,24 @@ def one_rank_collectives() -> dict:
     local_multi_tensor_scale(0, None, [copies, copies], 0.37)
     return {"returns": ret, "values": x.tolist(), "work": work is not None,
             "norm_equal": torch.equal(mine, theirs),
-            "scaled_equal": all(torch.equal(a, b) for a, b in zip(grads, copies, strict=True))}
+            "scaled_equal": all(torch.equal(a, b) for a, b in zip(grads, copies, strict=True)),
+            "linear_equal": _one_rank_linear_as_megatrons(ps.get_tensor_model_parallel_group())}
+
+
+def _one_rank_linear_as_megatrons(tp_group) -> bool:
+    """The tp1linear shim's linear against megatron's autograd function: output, input and
+    weight (and bias) gradients, bit for bit."""
+    from megatron.core.tensor_parallel import layers
+
+    g = torch.Generator().manual_seed(5)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((12, 3, 16), (24, 16), (24,)))
+    grad = torch.randn(12, 3, 24, generator=g)
+    results = []
+    for fn in (layers.linear_with_grad_accumulation_and_async_allreduce,
+               layers.LinearWithGradAccumulationAndAsyncCommunication.apply):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        out = fn(xs, ws, bs, False, False, False, None, 0, tp_group, 1)
+        out.backward(grad)
+        results.append([out.detach(), xs.grad, ws.grad, bs.grad])
+    shimmed = hasattr(layers.linear_with_grad_accumulation_and_async_allreduce, "__wrapped__")
+    return shimmed and all(torch.equal(a, b) for a, b in zip(*results, strict=True))

@@ -172,8 +172,8 @@ class MegatronActor:
 
         A run's step may take several optimizer steps (PPO mini-batches): pass
         `end_step=False` to all but the last, or call `end_step()` after them."""
+        self._set_training(True)
         for chunk in self.model:
-            chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         metrics = self._forward_backward(batch, loss_fn, forward_only=False)
@@ -198,8 +198,7 @@ class MegatronActor:
 
     @torch.no_grad()
     def evaluate(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
-        for chunk in self.model:
-            chunk.eval()
+        self._set_training(False)
         return self._forward_backward(batch, loss_fn, forward_only=True)
 
     @torch.no_grad()
@@ -221,14 +220,20 @@ class MegatronActor:
                                                     vocab=self.spec.vocab_size))
 
     # -- internals ---------------------------------------------------------------------------
+    def _set_training(self, training: bool) -> None:
+        """Every chunk in train or eval mode, walking its modules only when that changes (only
+        the actor switches them; a walk costs ~0.2 ms a step on the test model)."""
+        for chunk in self.model:
+            if chunk.training != training:
+                chunk.train(training)
+
     def _forward_collect(self, batch: TokenBatch, processor, trained_only: bool = False
                          ) -> torch.Tensor:
         """Forward-only pass whose per-token outputs (from `processor`) come back for the
         whole batch on every rank: last pipeline stage → all stages, DP shards gathered."""
         from megatron.core import parallel_state as ps
 
-        for chunk in self.model:
-            chunk.eval()
+        self._set_training(False)
         micro = self._micro_batches(batch)
         outputs = self._schedule(micro, lambda mb, out, non_loss_data=False: out,
                                  forward_only=True, collect=True, processor=processor,
