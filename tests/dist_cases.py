@@ -176,8 +176,8 @@ def one_rank_collectives() -> dict:
 
 
 def _one_rank_linear_as_megatrons(tp_group) -> bool:
-    """The tp1linear shim's linear against megatron's autograd function: output, input and
-    weight (and bias) gradients, bit for bit."""
+    """The plainlinear shim's linears against megatron's autograd functions (the parallel
+    linear, the router's gate): output, input and weight (and bias) gradients, bit for bit."""
     from megatron.core.tensor_parallel import layers
 
     g = torch.Generator().manual_seed(5)
@@ -190,5 +190,14 @@ def _one_rank_linear_as_megatrons(tp_group) -> bool:
         out = fn(xs, ws, bs, False, False, False, None, 0, tp_group, 1)
         out.backward(grad)
         results.append([out.detach(), xs.grad, ws.grad, bs.grad])
-    shimmed = hasattr(layers.linear_with_grad_accumulation_and_async_allreduce, "__wrapped__")
-    return shimmed and all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    from megatron.core.transformer.moe import moe_utils, router
+
+    for fn in (router.router_gating_linear, moe_utils.RouterGatingLinearFunction.apply):
+        xs, ws = (t.clone().requires_grad_() for t in (x, w))
+        out = fn(xs, ws, None, torch.float32)
+        out.backward(grad)
+        results.append([out.detach(), xs.grad, ws.grad])
+    shimmed = all(hasattr(f, "__wrapped__") for f in (
+        layers.linear_with_grad_accumulation_and_async_allreduce, router.router_gating_linear))
+    return shimmed and all(torch.equal(a, b) for pair in (results[:2], results[2:])
+                           for a, b in zip(*pair, strict=True))

@@ -435,10 +435,11 @@ def _probe_foreachnorm() -> bool:
     return clip.l2_norm_impl is local_multi_tensor_l2_norm
 
 
-# -- tp1linear: megatron's column/row-parallel linears run a Python autograd function even on one
-# tensor-parallel rank without fused weight-gradient accumulation, where it computes exactly
-# what torch's linear does (the same matmuls forward and backward: ~30 us less a call).
-def _apply_tp1linear() -> None:
+# -- plainlinear: megatron's column/row-parallel linears run a Python autograd function even when
+# it communicates nothing (no dgrad all-reduce, no sequence parallelism) and has no fused
+# weight-gradient accumulation; then it computes exactly what torch's linear does (the same
+# matmuls forward and backward), ~30 us less a call.
+def _apply_plainlinear() -> None:
     from megatron.core.tensor_parallel import layers
 
     megatron_linear = layers.linear_with_grad_accumulation_and_async_allreduce
@@ -447,9 +448,8 @@ def _apply_tp1linear() -> None:
     def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=0,
                tp_group=None, gtp_remat_size=1):
-        if (tp_group is not None and tp_group.size() == 1 and not gradient_accumulation_fusion
-                and not allreduce_dgrad and not sequence_parallel and grad_output_buffer is None
-                and gtp_remat_size == 1):
+        if (not gradient_accumulation_fusion and not allreduce_dgrad and not sequence_parallel
+                and grad_output_buffer is None and gtp_remat_size == 1):
             out = torch.nn.functional.linear(input, weight)
             return out if bias is None else out + bias  # megatron adds the bias apart
         return megatron_linear(input, weight, bias, gradient_accumulation_fusion,
@@ -458,8 +458,21 @@ def _apply_tp1linear() -> None:
 
     layers.linear_with_grad_accumulation_and_async_allreduce = linear
 
+    # the MoE router's gate too: its function only casts to the router dtype around the matmuls
+    import megatron.core.transformer.moe.router as router
 
-def _probe_tp1linear() -> bool:
+    megatron_gate = router.router_gating_linear
+
+    @functools.wraps(megatron_gate)
+    def gate(inp, weight, bias, router_dtype):
+        if bias is None and inp.dtype == weight.dtype == router_dtype:
+            return torch.nn.functional.linear(inp, weight)
+        return megatron_gate(inp, weight, bias, router_dtype)
+
+    router.router_gating_linear = gate
+
+
+def _probe_plainlinear() -> bool:
     import inspect
 
     from megatron.core.tensor_parallel import layers
@@ -503,8 +516,8 @@ SHIMS: tuple[Shim, ...] = (
          _apply_onerank, _probe_onerank),
     Shim("foreachnorm", "grad norm and clipping loop in Python per tensor without apex/TE",
          _apply_foreachnorm, _probe_foreachnorm),
-    Shim("tp1linear", "parallel linears run a Python autograd function on one TP rank",
-         _apply_tp1linear, _probe_tp1linear),
+    Shim("plainlinear", "parallel linears that communicate nothing run a Python autograd function",
+         _apply_plainlinear, _probe_plainlinear),
 )
 
 
