@@ -172,7 +172,42 @@ def one_rank_collectives() -> dict:
     return {"returns": ret, "values": x.tolist(), "work": work is not None,
             "norm_equal": torch.equal(mine, theirs),
             "scaled_equal": all(torch.equal(a, b) for a, b in zip(grads, copies, strict=True)),
-            "linear_equal": _one_rank_linear_as_megatrons(ps.get_tensor_model_parallel_group())}
+            "linear_equal": _one_rank_linear_as_megatrons(ps.get_tensor_model_parallel_group()),
+            "reset_after": _router_statistics_reset(),
+            "mappings_pass_through": _one_rank_mappings(ps.get_tensor_model_parallel_group())}
+
+
+def _one_rank_mappings(tp_group) -> bool:
+    """megatron's tensor-parallel copy/reduce/scatter/gather on one rank: the input itself,
+    and its gradient flows through unchanged."""
+    from megatron.core.tensor_parallel import mappings
+
+    x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+    outs = [fn(x, group=tp_group) for fn in (
+        mappings.copy_to_tensor_model_parallel_region,
+        mappings.reduce_from_tensor_model_parallel_region,
+        mappings.scatter_to_tensor_model_parallel_region,
+        mappings.gather_from_tensor_model_parallel_region)]
+    sum(o.sum() for o in outs).backward()
+    return all(o is x for o in outs) and torch.equal(x.grad, torch.full((2, 3), 4.0))
+
+
+def _router_statistics_reset() -> list[float]:
+    """What the idlereset shim's finalisation leaves in a quantile-balancing accumulator: kept
+    under the aux loss (nothing of megatron's to reset), zeroed under quantile balancing."""
+    import importlib
+    from types import SimpleNamespace
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    out = []
+    for balancing in ("aux_loss", "quantile_balancing"):
+        module = torch.nn.Module()
+        module.qb_beta_accum, module.qb_beta_count = torch.ones(2), torch.ones(())
+        finalize.reset_model_temporary_tensors(SimpleNamespace(
+            moe_router_enable_expert_bias=False, moe_router_load_balancing_type=balancing),
+            [module])
+        out.append(float(module.qb_beta_accum.sum() + module.qb_beta_count))
+    return out
 
 
 def _one_rank_linear_as_megatrons(tp_group) -> bool:

@@ -98,6 +98,7 @@ def test_one_rank_collectives_and_grad_norms_as_torch_and_megatron_compute_them(
     out = get_pool(1).run(dist_cases.one_rank_collectives)[0]
     assert out["returns"] == [None, None, None] and out["values"] == [0.0, 1.0, 2.0, 3.0]
     assert out["work"] and out["norm_equal"] and out["scaled_equal"] and out["linear_equal"]
+    assert out["reset_after"] == [3.0, 0.0] and out["mappings_pass_through"]
 
 
 @pytest.mark.parametrize("model", ["tiny-moe", "tiny-qwen3.5"])

@@ -363,7 +363,9 @@ def _probe_rope() -> bool:
 # -- onerank: a collective over a group of one rank changes nothing, yet gloo still runs it on
 # its worker thread (40-170 us each). A one-rank train step makes five: megatron's gradient
 # all-reduce at DP 1, its token-count broadcast and all-reduce (per-token loss), the grad-norm
-# all-reduce, our metrics. Synchronous all_reduce / broadcast on one rank return at once.
+# all-reduce, our metrics. Synchronous all_reduce / broadcast on one rank return at once, and
+# so do megatron's tensor-parallel copy/reduce/scatter/gather autograd functions (identity
+# forward and backward on one rank; seven a step, ~25 us each).
 _IDENTITY_OPS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR")
 
 
@@ -390,6 +392,15 @@ def _apply_onerank() -> None:
         return broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
 
     dist.all_reduce, dist.broadcast = all_reduce_, broadcast_
+
+    from megatron.core.tensor_parallel import mappings
+
+    for cls in (mappings._CopyToModelParallelRegion, mappings._ReduceFromModelParallelRegion,
+                mappings._ScatterToModelParallelRegion, mappings._GatherFromModelParallelRegion):
+        def apply(cls, input_, group, _apply=cls.apply):
+            return input_ if group.size() == 1 else _apply(input_, group)
+
+        cls.apply = classmethod(apply)
 
 
 def _probe_onerank() -> bool:
@@ -481,6 +492,37 @@ def _probe_plainlinear() -> bool:
         layers.linear_with_grad_accumulation_and_async_allreduce)
 
 
+# -- idlereset: megatron's grad finalisation walks every module after each step to reset the
+# per-step router statistics of expert bias, global aux loss and quantile balancing (~0.2 ms
+# of hasattr/getattr on the test model); without those features there is nothing to reset.
+_RESET_BALANCING = ("global_aux_loss", "quantile_balancing")
+
+
+def _apply_idlereset() -> None:
+    import importlib
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    reset = finalize.reset_model_temporary_tensors
+
+    @functools.wraps(reset)
+    def reset_if_kept(config, model):
+        balancing = config.moe_router_load_balancing_type
+        kinds = balancing if isinstance(balancing, list | tuple) else [balancing]
+        if config.moe_router_enable_expert_bias or any(
+                name in str(kind) for kind in kinds for name in _RESET_BALANCING):
+            reset(config, model)
+
+    finalize.reset_model_temporary_tensors = reset_if_kept
+
+
+def _probe_idlereset() -> bool:
+    import importlib
+    import inspect
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    return "'modules')()" in inspect.getsource(finalize.reset_model_temporary_tensors)
+
+
 def _probe_gdn() -> bool:
     import importlib
 
@@ -518,6 +560,8 @@ SHIMS: tuple[Shim, ...] = (
          _apply_foreachnorm, _probe_foreachnorm),
     Shim("plainlinear", "parallel linears that communicate nothing run a Python autograd function",
          _apply_plainlinear, _probe_plainlinear),
+    Shim("idlereset", "grad finalisation walks every module for router statistics not kept",
+         _apply_idlereset, _probe_idlereset),
 )
 
 
