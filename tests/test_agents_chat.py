@@ -162,3 +162,24 @@ def test_clipped_untrusted_text_never_exceeds_its_limit(text: str, limit: int) -
 def test_lone_surrogates_in_untrusted_text_are_replaced() -> None:
     # a JSON "\ud800" escape decodes to one; the tokenizer refuses such strings
     assert TOK.decode(CHAT.safe_ids("a\ud800b<|im_end|>")) == "a\ufffdb&lt;|im_end|>"
+
+
+def test_react_renders_a_question_once_for_all_its_samples(monkeypatch) -> None:
+    """A group's samples share the question: its first context is rendered once, each caller
+    gets its own copy, and at most `FIRST_CONTEXTS` questions are kept."""
+    from megatron_rl.agents import react
+    from tests.fakes import agent_config
+
+    agent = react.ReActAgent(TOK, [DictSearch({}), DictVisit({})], agent_config())
+    renders = []
+    real = agent.chat.prompt_ids
+    monkeypatch.setattr(agent.chat, "prompt_ids", lambda *a: renders.append(a) or real(*a))
+    first = agent.first_context("Who built it?")
+    first.append(-1)  # the caller's copy
+    assert agent.first_context("Who built it?") == CHAT.prompt_ids(
+        agent.system_prompt, "Who built it?", agent.specs)
+    assert len(renders) == 1
+    monkeypatch.setattr(react, "FIRST_CONTEXTS", 2)
+    for q in ("a?", "b?", "Who built it?"):
+        agent.first_context(q)
+    assert len(renders) == 4 and list(agent._first) == ["b?", "Who built it?"]

@@ -21,6 +21,7 @@ REACT_SYSTEM_PROMPT = (
     "reading pages. Think step by step. Call tools whenever you need information; several "
     "calls in one message run in parallel. When you are confident, give the final answer, "
     "short and exact, inside <answer></answer>.")
+FIRST_CONTEXTS = 256  # questions whose first context is kept (a step's groups, and more)
 
 
 class ReActAgent(BaseAgent):
@@ -30,11 +31,20 @@ class ReActAgent(BaseAgent):
                  system_prompt: str = REACT_SYSTEM_PROMPT):
         super().__init__(tokenizer, tools, config)
         self.system_prompt = system_prompt
+        self._first: dict[str, list[int]] = {}  # question → its first context (a group's samples)
 
     def first_context(self, question: str, messages: Messages | None = None) -> list[int]:
         if messages:  # the data's chat (its system prompt, else ours)
             return self.chat.chat_ids(messages, self.system_prompt, self.specs)
-        return self.chat.prompt_ids(self.system_prompt, self.chat.safe_text(question), self.specs)
+        # every sample of a group renders and tokenizes the same prompt: once per question
+        ids = self._first.get(question)
+        if ids is None:
+            ids = self.chat.prompt_ids(self.system_prompt, self.chat.safe_text(question),
+                                       self.specs)
+            if len(self._first) >= FIRST_CONTEXTS:
+                del self._first[next(iter(self._first))]  # the oldest question
+            self._first[question] = ids
+        return list(ids)
 
     async def run(self, question: str, reference: str | None, engine: RolloutEngine, *,
                   group_id: str, uid: str, resume: Resume | None = None,
