@@ -17,7 +17,10 @@ import os
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
-KEEP_FREED_BYTES = 2**31 - 1            # the heap's free top is given back past this
+# never trim the heap (glibc's documented -1). With a 2 GiB threshold, alternating a
+# Megatron and a transformers step at the quickstart's 34k-id shape (the benchmark's
+# pattern) faulted ~272k pages (~1 GB) back in every step, on both sides; with -1, none
+KEEP_FREED_BYTES = -1
 # a user's own glibc tuning wins
 GLIBC_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                    "MALLOC_TOP_PAD_")
