@@ -3,7 +3,7 @@
 glibc serves every allocation above its mmap threshold (32 MB at most) with a fresh `mmap` and
 unmaps it on free, so each large temporary (a chunk's [tokens, vocab] logits, activations)
 faults all its pages in again: at the quickstart's pre-training shape one log-prob pass faulted
-~205k pages, 0.33 s of a 1.06 s pass. With mmap off and a high trim threshold the freed
+~205k pages, 0.33 s of a 1.06 s pass. With mmap and heap trimming off the freed
 temporaries stay in the heap and the next pass reuses them: 0 faults, 0.70-0.78 s
 (`benchmarks/host_allocator.py`, `tests/test_host_memory.py`).
 """
