@@ -156,5 +156,6 @@ def test_row_blocks_and_kept_logits_give_the_same_values_bit_for_bit(monkeypatch
             got = run(block_bytes, keep)
             assert all(torch.equal(a, b) for a, b in zip(got, whole, strict=True))
     monkeypatch.setattr(logprobs, "BLOCK_BYTES", 4 * 4 * vocab)  # 4 rows a block
-    assert logprobs._row_blocks(9, vocab) == [slice(0, 4), slice(4, 9)]  # no lone 9th row
-    assert logprobs._row_blocks(9, 1) == [slice(0, 9)]
+    assert logprobs._row_cuts(9, vocab) == [4]  # blocks 0-3 and 4-8: no lone 9th row
+    assert logprobs._row_cuts(10, vocab) == [4, 8]
+    assert logprobs._row_cuts(9, 1) == []

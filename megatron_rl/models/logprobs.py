@@ -25,13 +25,14 @@ MAX, SUM = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.SUM
 BLOCK_BYTES = 2 << 20
 
 
-def _row_blocks(n: int, columns: int) -> list[slice]:
-    """Blocks of at least 2 rows (a lone row's sums take another kernel: other roundings)."""
+def _row_cuts(n: int, columns: int) -> list[int]:
+    """Where n rows split into blocks of at least 2 rows (a lone row's sums take another
+    kernel: other roundings), for `tensor_split`."""
     rows = max(2, BLOCK_BYTES // max(4 * columns, 1))
-    cuts = list(range(0, n, rows))
-    if len(cuts) > 1 and n - cuts[-1] < 2:
+    cuts = list(range(rows, n, rows))
+    if cuts and n - cuts[-1] < 2:
         cuts.pop()
-    return [slice(a, b) for a, b in zip(cuts, [*cuts[1:], n], strict=True)]
+    return cuts
 
 
 def _tp_group():
@@ -83,12 +84,16 @@ class _LinearLogprobs(torch.autograd.Function):
             shift = z.amax(-1) if tp > 1 else z.new_empty(n)
             _all_reduce(shift, MAX, group, tp)
             stats = z.new_empty(3, n)                        # sum e, label z, sum e * z
-            for rows in _row_blocks(n, valid):
-                zs = z[rows] - (shift[rows] if tp > 1 else
-                                shift[rows].copy_(z[rows].amax(-1)))[:, None]
+            cuts = _row_cuts(n, valid)
+            # views made once per chunk: a block then costs six kernels and no indexing
+            for zb, sb, sum_e, e_z in zip(*(x.tensor_split(cuts) for x in (
+                    z, shift[:, None], stats[0], stats[2])), strict=True):
+                if tp == 1:
+                    torch.amax(zb, -1, keepdim=True, out=sb)
+                zs = zb - sb
                 e = zs.exp()
-                stats[0, rows] = e.sum(-1)
-                stats[2, rows] = e.mul_(zs).sum(-1)
+                torch.sum(e, -1, out=sum_e)
+                torch.sum(e.mul_(zs), -1, out=e_z)
             picked = z.gather(-1, local.clamp(0, valid - 1)[:, None])[:, 0] - shift
             stats[1] = torch.where(owned, picked, 0.0)
         _all_reduce(stats, SUM, group, tp)
@@ -115,14 +120,21 @@ class _LinearLogprobs(torch.autograd.Function):
         with_ent = g_ent is not None and bool(g_ent.any())
         local = labels - vocab_start
         owned = (local >= 0) & (local < valid)
-        for rows in _row_blocks(n, valid):
-            # d logp / dz = onehot - p;  d entropy / dz = -p (z - E_p[z])
-            zb, gb = z[rows], grad[rows]
-            coef = (zb - mean_z[rows, None]).mul_(g_ent[rows, None]).add_(
-                g_logp[rows, None]) if with_ent else g_logp[rows, None]
-            torch.sub(zb, lse[rows, None], out=gb).exp_().mul_(coef).neg_()
-            at = owned[rows].nonzero()[:, 0]
-            gb.index_put_((at, local[rows][at]), g_logp[rows][at], accumulate=True)
+        # d logp / dz = onehot - p;  d entropy / dz = -p (z - E_p[z]). The per-row factor is
+        # negated up front (exact: rounding is symmetric), which saves a pass negating p * coef
+        at = owned.nonzero()[:, 0]
+        cols, g_at = local[at], g_logp[at]
+        cuts = _row_cuts(n, valid)
+        label_cuts = torch.searchsorted(at, torch.tensor(cuts, dtype=at.dtype)).tolist()
+        # (an unused entropy gradient still gets a column of blocks, to keep one zip)
+        per_row = (lse, mean_z, -g_logp, -g_ent if with_ent else lse)
+        blocks = zip(*(x.tensor_split(cuts) for x in (z, grad, *(r[:, None] for r in per_row))),
+                     *(x.tensor_split(label_cuts) for x in (at, cols, g_at)), strict=True)
+        for zb, gb, lse_b, mean_b, coef, neg_g_ent, at_b, cols_b, g_b in blocks:
+            if with_ent:
+                coef = (zb - mean_b).mul_(neg_g_ent).add_(coef)
+            torch.sub(zb, lse_b, out=gb).exp_().mul_(coef)
+            grad.index_put_((at_b, cols_b), g_b, accumulate=True)
             if temperature != 1.0:
                 gb.div_(temperature)
         grad = _mm_in(grad, mm_dtype or h.dtype)
