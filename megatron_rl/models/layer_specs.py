@@ -161,6 +161,78 @@ def grouped_experts() -> type:
     return GroupedExperts
 
 
+def _softmax_over_dim1(x: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over the short second dim of [tokens, n], computed along the tokens: torch's
+    CPU softmax over a short last dim runs per row ([2048, 4]: 83 us, against 6 us over dim 0
+    of the transpose). Equal to `torch.softmax(x, -1)` within float32 rounding."""
+    return torch.softmax(x.t().contiguous(), 0, dtype=torch.float32).t()
+
+
+@functools.cache
+def short_softmax_router() -> type:
+    """Megatron's `TopKRouter`, its softmax top-k routing computed with `_softmax_over_dim1`
+    and one top-k a layer instead of two. Megatron takes the aux loss's routing map from a
+    second top-k over softmax(logits); the softmax is monotone, so that map is the routing's
+    own (taken from the logits, as megatron routes when not pre-softmax). Same experts for
+    every token; the probabilities and the aux loss within float32 rounding of megatron's.
+    A training step of tiny-moe at 8x256 on CPU: 40.1 -> 38.9 ms. Grouped or biased top-k,
+    other score functions, fusion and routing replay run megatron's `routing`."""
+    from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class ShortSoftmaxRouter(TopKRouter):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            cfg = self.config
+            self.short_softmax = (
+                self.score_function == "softmax" and self.expert_bias is None
+                and self.router_replay is None and not cfg.moe_router_fusion
+                and not cfg.moe_router_group_topk
+                and self.routing_type not in ("sinkhorn", "quantile_balancing"))
+
+        def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+            if not self.short_softmax:
+                return super().routing(logits, padding_mask=padding_mask)
+            cfg = self.config
+            seq_length, bsz = logits.shape[:2]
+            logits = logits.view(-1, cfg.num_moe_experts)
+            if padding_mask is not None:
+                padding_mask = padding_mask.reshape(-1)
+            logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+            aux = self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled()
+            scores = _softmax_over_dim1(logits) if aux or cfg.moe_router_pre_softmax else None
+            if cfg.moe_router_pre_softmax:
+                probs, top = torch.topk(scores, k=self.topk, dim=1)
+            else:
+                top = torch.topk(logits, k=self.topk, dim=1)[1]
+                probs = _softmax_over_dim1(logits.gather(1, top))
+            if cfg.moe_router_topk_scaling_factor:
+                probs = probs * cfg.moe_router_topk_scaling_factor
+            routing_map = chosen = torch.zeros(logits.shape, dtype=torch.bool,
+                                               device=logits.device).scatter_(1, top, True)
+            probs = torch.zeros_like(logits).scatter(1, top, probs.type_as(logits))
+            if cfg.moe_expert_capacity_factor is not None:
+                probs, routing_map = apply_router_token_dropping(
+                    probs, routing_map, router_topk=self.topk,
+                    capacity_factor=cfg.moe_expert_capacity_factor,
+                    drop_policy=cfg.moe_token_drop_policy,
+                    pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
+            if aux:  # megatron's own losses, on its inputs (padding masked out of both)
+                aux_map = chosen  # before any token dropping, as megatron's
+                if padding_mask is not None:
+                    valid = (~padding_mask).unsqueeze(-1)
+                    aux_map, scores = aux_map * valid, scores * valid
+                masked = padding_mask is not None
+                probs = self._apply_aux_loss(probs, scores, aux_map, with_padding_mask=masked)
+                probs = self._apply_seq_aux_loss(probs, scores, aux_map, seq_length, bsz,
+                                                 with_padding_mask=masked)
+                probs = self._apply_global_aux_loss(probs, scores, aux_map,
+                                                    with_padding_mask=masked)
+            return probs, routing_map
+
+    return ShortSoftmaxRouter
+
+
 @functools.cache
 def single_rank_moe() -> type:
     """Megatron's `MoELayer` that, when this rank holds every expert and every token it routes
@@ -251,6 +323,7 @@ def _local_block_spec(spec: ModelSpec, config: Any):
         moe = mlp.keywords["submodules"]
         moe.experts = functools.partial(grouped_experts(), *moe.experts.args,
                                         **moe.experts.keywords)
+        moe.router = short_softmax_router()
         mlp = functools.partial(single_rank_moe(), *mlp.args, **mlp.keywords)
     kinds = spec.layer_types
     if "linear_attention" in kinds:
