@@ -150,6 +150,74 @@ def single_rank_moe_against_dispatcher(model: str) -> dict:
             "loss": m1["loss"]}
 
 
+def short_softmax_router_against_megatrons() -> dict:
+    """`ShortSoftmaxRouter.routing` against megatron's `TopKRouter.routing` on the same logits
+    (a padding mask, the aux loss on; softmax before or after the top-k): routing maps equal,
+    probabilities and the logits' gradient (the aux loss's included) within float32 rounding;
+    also without grad (no aux loss) and on rows of tied logits."""
+    from megatron_rl.models.layer_specs import short_softmax_router
+
+    actor = make_actor([])
+    router = next(m for c in actor.model for m in c.modules()
+                  if isinstance(m, short_softmax_router()))
+    router.train()
+    cfg, experts = router.config, router.config.num_moe_experts
+    g = torch.Generator().manual_seed(0)
+    logits0 = torch.randn(8, 3, experts, generator=g) * 2  # [s, b, experts]
+    logits0[0, 0] = torch.tensor([1.0, 1.0, 0.5, 0.5])[:experts]  # ties
+    pad = torch.rand(8, 3, generator=g) < 0.3
+    weigh = torch.randn(24, experts, generator=g)
+    out: dict = {"eligible": router.short_softmax, "cases": []}
+    pre = cfg.moe_router_pre_softmax
+    try:
+        for cfg.moe_router_pre_softmax in (False, True):
+            for grad in (True, False):
+                got = {}
+                for short in (True, False):
+                    router.short_softmax = short
+                    logits = logits0.clone().requires_grad_()
+                    with torch.set_grad_enabled(grad):
+                        probs, routing_map = router.routing(logits, padding_mask=pad)
+                    if grad:
+                        (probs * weigh).sum().backward()
+                    got[short] = (probs.detach(), routing_map, logits.grad)
+                (p1, m1, g1), (p0, m0, g0) = got[True], got[False]
+                out["cases"].append({
+                    "maps_equal": torch.equal(m1, m0), "probs_diff": float((p1 - p0).abs().max()),
+                    "grad_diff": float((g1 - g0).abs().max()) if grad else 0.0,
+                    "grad_size": float(g0.abs().max()) if grad else 1.0})
+    finally:
+        cfg.moe_router_pre_softmax, router.short_softmax = pre, True
+    return out
+
+
+def grads_in_place_against_ddp_hooks() -> dict:
+    """Two micro-batches accumulated by autograd into `main_grad` (the gradinplace shim)
+    against megatron's per-parameter DDP hooks re-registered on the same actor: the same
+    gradient buffer bit for bit, and no Python hook left on the in-place path."""
+    actor = make_actor(["train.micro_batch_size=2"])
+    ddp = actor.model[0]
+    params = list(ddp.grads_in_place)
+    batch, out = fixed_batch(rows=4, seq=32), {}
+    for in_place in (True, False):
+        if not in_place:  # back to megatron's path: its hooks, grads freed after each add
+            ddp.grads_in_place = []
+            for p, acc in zip(params, ddp.grad_accs, strict=True):
+                p.grad = None
+                acc.register_hook(ddp._make_backward_post_hook(p))
+        ddp.zero_grad_buffer()
+        actor.optimizer.zero_grad()
+        metrics = actor._forward_backward(batch, lm_loss, forward_only=False)
+        out[in_place] = (metrics, [p.main_grad.clone() for p in params],
+                         sum(p.grad is p.main_grad for p in params))
+    (m1, g1, aliased), (m0, g0, _) = out[True], out[False]
+    return {"params": len(params), "all": len(params) == sum(
+                p.requires_grad for p in ddp.module.parameters()),
+            "metrics_equal": m1 == m0, "aliased": aliased,
+            "grads_equal": all(torch.equal(a, b) for a, b in zip(g1, g0, strict=True)),
+            "nonzero": sum(bool(g.abs().sum() > 0) for g in g1)}
+
+
 def one_rank_collectives() -> dict:
     """The onerank and foreachnorm shims against what they replace, on a one-rank group."""
     from megatron.core import parallel_state as ps

@@ -112,3 +112,29 @@ def test_single_rank_moe_layer_is_megatrons_dispatcher_bit_for_bit(model):
     assert out["layers"] >= 2 and all(out["direct"])
     assert out["metrics_equal"] and out["grads_equal"] and out["router_grad_nonzero"]
     assert 4.0 < out["loss"] < 9.0
+
+
+def test_short_softmax_router_routes_as_megatrons_router():
+    """The local spec's router: the experts megatron's router picks, its probabilities and
+    gradients (aux loss included) within float32 rounding, before or after the top-k."""
+    from tests import dist_cases
+    from tests.pools import get_pool
+
+    out = get_pool(1).run(dist_cases.short_softmax_router_against_megatrons)[0]
+    assert out["eligible"] and len(out["cases"]) == 4
+    for case in out["cases"]:
+        assert case["maps_equal"], case
+        assert case["probs_diff"] < 1e-6 and case["grad_diff"] < 1e-6 * case["grad_size"] + 1e-7, case
+        assert case["grad_size"] > 1e-3, case
+
+
+def test_grads_accumulate_into_main_grad_as_ddp_hooks_add_them():
+    """The gradinplace shim: autograd accumulates two micro-batches straight into the DDP
+    grad buffer; megatron's hooks on the same actor give the same buffer bit for bit."""
+    from tests import dist_cases
+    from tests.pools import get_pool
+
+    out = get_pool(1).run(dist_cases.grads_in_place_against_ddp_hooks)[0]
+    assert out["params"] > 20 and out["all"] and out["aliased"] == out["params"]
+    assert out["metrics_equal"] and out["grads_equal"]
+    assert out["nonzero"] >= out["params"] - 2  # (an expert may get no token)
