@@ -155,6 +155,13 @@ def test_row_blocks_and_kept_logits_give_the_same_values_bit_for_bit(monkeypatch
         for keep in (0, 1 << 40):
             got = run(block_bytes, keep)
             assert all(torch.equal(a, b) for a, b in zip(got, whole, strict=True))
+    # kept logits become the gradient in place: a second backward is refused, not wrong
+    monkeypatch.setattr(memory_plan, "KEEP_LOGITS_BYTES", {"cpu": 1 << 40, "cuda": 0})
+    lp, _ = logprobs._LinearLogprobs.apply(h0.clone().requires_grad_(), w0, labels, 0, vocab,
+                                           temperature, None, 1)
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.sum().backward()
     monkeypatch.setattr(logprobs, "BLOCK_BYTES", 4 * 4 * vocab)  # 4 rows a block
     assert logprobs._row_cuts(9, vocab) == [4]  # blocks 0-3 and 4-8: no lone 9th row
     assert logprobs._row_cuts(10, vocab) == [4, 8]

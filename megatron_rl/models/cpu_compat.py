@@ -572,7 +572,8 @@ def _apply_gradinplace() -> None:
 
     @functools.wraps(forward)
     def forward_(self, *args, **kwargs):
-        for p in getattr(self, "grads_in_place", ()):  # each pass: the optimizer may have set grads to None
+        # every pass: the optimizer may have set the grads to None since
+        for p in getattr(self, "grads_in_place", ()):
             if p.grad is not p.main_grad:
                 if p.grad is not None:  # what megatron's hook would have done with it
                     p.main_grad.add_(p.grad)

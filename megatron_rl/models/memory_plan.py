@@ -329,10 +329,11 @@ def stage_activations(spec: ModelSpec, lay: Layout, wl: Workload, stage: int
     transient = recomputed
     if last:
         # fp32 logits (models/logprobs.py): a chunk's, recomputed in backward as its gradient;
-        # or, when small enough to keep, every chunk's of the micro-batch and one gradient
+        # or, when small enough to keep, every chunk's of the micro-batch (each becomes its
+        # gradient in place)
         row = padded_vocab(spec, lay.tp) / lay.tp * 4
         chunk = min(tokens, wl.logprob_chunk_tokens) * row
-        transient += tokens * row + chunk if chunk <= wl.keep_logits_bytes else 2 * chunk
+        transient += tokens * row if chunk <= wl.keep_logits_bytes else 2 * chunk
     if wl.attention == "local" and "full_attention" in layers:
         # the unfused softmax's backward: the gradients of the probabilities and of the
         # scores, [heads, sq, sk] each (+ the probabilities themselves when recomputed)
