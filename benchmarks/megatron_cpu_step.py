@@ -5,7 +5,8 @@ from the same registry entry (identical parameter count), trained on the same ba
 same objective and update as the Megatron actor: the LM loss plus the MoE router's
 load-balancing loss at the entry's coefficient, gradients clipped to norm 1.0 (`optim.
 clip_grad`'s default), torch AdamW. It is built first, before the Megatron CPU shims touch
-torch. The steps alternate (median of `--steps` each), so load from other processes hits all
+torch. The steps alternate (median of `--steps` each, or of as many as `--seconds`
+allow), so load from other processes hits all
 alike. Also timed, for reference only: the plain step without the router loss and clipping.
 
 Two cases by default: the test model at a tiny batch (`tiny-moe`, 8 x 256 tokens: fixed
@@ -87,21 +88,24 @@ def megatron(spec, tokens: torch.Tensor):
             sum(p.numel() for p in actor.parameters().values()))
 
 
-def interleaved(steps: dict, warmup: int, n: int) -> dict[str, float]:
+def interleaved(steps: dict, warmup: int, n: int, seconds: float = 0.0) -> dict[str, float]:
     """Median seconds per step of each, the steps alternating so that whatever else loads the
-    machine meanwhile hits both alike."""
+    machine meanwhile hits both alike: `n` rounds, more until `seconds` have passed (a
+    40 ms step's median of 10 moved 0.97-1.02 between runs, of 60 1.004-1.012)."""
     for name, step in steps.items():
         for _ in range(warmup):
             step()
         if PROFILE:
             _profile(step, name)
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(n):
+    start, rounds = time.perf_counter(), 0
+    while rounds < n or time.perf_counter() - start < seconds:
+        rounds += 1
         for name, step in steps.items():
             t0 = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {"rounds": rounds} | {name: statistics.median(t) for name, t in times.items()}
 
 
 def parse_case(text: str) -> tuple[str, int, int, int]:
@@ -117,7 +121,9 @@ def main() -> None:
     p.add_argument("--cases", default="tiny-moe:8x256,tiny-moe-agent@34048:4x1024",
                    help="comma-separated model[@vocab]:ROWSxSEQ")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="at least this many steps each")
+    p.add_argument("--seconds", type=float, default=8.0,
+                   help="and alternate steps for at least this long per case")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--chunk-tokens", type=int, default=4096,
                    help="tokens per output-layer chunk (train.logprob_chunk_tokens)")
@@ -149,11 +155,12 @@ def main() -> None:
                                                                             strict=True):
         mcore_step, n_mcore = megatron(spec, tokens)
         t = interleaved({"plain PyTorch": plain_step, "Megatron": mcore_step,
-                         "plain, LM loss only": bare_step}, args.warmup, args.steps)
+                         "plain, LM loss only": bare_step}, args.warmup, args.steps,
+                        args.seconds)
         n_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
         print(f"\n{text}: {n_mcore:,} params (plain PyTorch: {n_plain:,}); batch "
               f"{tokens.shape[0]}x{tokens.shape[1] - 1}, fp32, {args.threads} threads, median "
-              f"of {args.steps}")
+              f"of {t['rounds']}")
         print(f"{'implementation':40s} {'step (ms)':>10s} {'tokens/s':>10s}")
         for name, label in (("plain PyTorch", "plain PyTorch (transformers), same update"),
                             ("Megatron", "Megatron-core (local spec)"),
