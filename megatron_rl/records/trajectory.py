@@ -98,6 +98,11 @@ def _float_in(value: Any) -> Any:
     return float(value) if isinstance(value, str) and value in _NON_FINITE else value
 
 
+def _floats_in(values: list[Any]) -> list[Any]:
+    """`_float_in` over a list (the common list without a string copied whole)."""
+    return [_float_in(x) for x in values] if str in map(type, values) else list(values)
+
+
 def _rewards_in(rewards: Any) -> Any:
     return ({k: _float_in(v) for k, v in rewards.items()} if isinstance(rewards, dict)
             else rewards)
@@ -255,7 +260,7 @@ class Trajectory:
         for t in d.get("turns", []):
             fields = {**t, "tool_calls": [ToolCall(**c) for c in t.get("tool_calls", [])]}
             if isinstance(t.get("output_logprobs"), list):
-                fields["output_logprobs"] = [_float_in(x) for x in t["output_logprobs"]]
+                fields["output_logprobs"] = _floats_in(t["output_logprobs"])
             if "rewards" in t:
                 fields["rewards"] = _rewards_in(t["rewards"])
             turns.append(Turn(**fields))
