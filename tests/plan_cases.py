@@ -38,6 +38,21 @@ def _rss_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _malloc_live_bytes(libc: ctypes.CDLL) -> int:
+    """Bytes malloc has handed out and not got back (the main arena's in use plus mmap'd
+    blocks): what an allocation costs whether or not it reuses freed heap chunks, which
+    the RSS depends on (a worker's earlier jobs leave more or fewer of them)."""
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 def _reset_peak_rss() -> None:
     # writing 5 to clear_refs resets VmHWM (the peak RSS) to the current RSS (Linux >= 4.0)
     with open("/proc/self/clear_refs", "w") as f:
@@ -47,7 +62,8 @@ def _reset_peak_rss() -> None:
 def peak_step_memory(overrides: list[str], rows: int, seq: int) -> dict[str, int]:
     """Peak RSS of a steady-state train step (the second: Adam's states exist from the first)
     over the rank's RSS before the actor was built, after a throwaway actor has done the lazy
-    imports and first-use allocations. Also the RSS growth of the build alone."""
+    imports and first-use allocations. Also the bytes the build alone allocates (malloc's
+    live bytes: its RSS growth moved 8-10 MB with what the worker had run before)."""
     import torch
 
     from megatron_rl.records.batch import TokenBatch
@@ -71,10 +87,10 @@ def peak_step_memory(overrides: list[str], rows: int, seq: int) -> dict[str, int
     gc.collect()
     libc.malloc_trim(0)
     dist.barrier()
-    base = _rss_bytes("VmRSS")
+    base, base_live = _rss_bytes("VmRSS"), _malloc_live_bytes(libc)
     actor = MegatronActor(cfg)
     gc.collect()
-    built = _rss_bytes("VmRSS")
+    built = _malloc_live_bytes(libc) - base_live
     actor.train_step(batch, lm_loss)
     gc.collect()
     libc.malloc_trim(0)
@@ -84,4 +100,4 @@ def peak_step_memory(overrides: list[str], rows: int, seq: int) -> dict[str, int
     params = sum(p.numel() for p in actor.model[0].module.parameters())
     del actor
     gc.collect()
-    return {"built": built - base, "peak": peak - base, "params": params}
+    return {"built": built, "peak": peak - base, "params": params}

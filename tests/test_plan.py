@@ -77,8 +77,9 @@ PEAKS = [
 def test_planned_peak_is_the_measured_cpu_peak(world, overrides, rows):
     """Measured: the peak RSS of a steady-state step (the second, Adam's states in place) over
     the rank's RSS before its actor was built, large blocks mmap'd so freed tensors leave the
-    RSS (tests/plan_cases.py). Planned: weights + fp32 grads + Adam states + activations +
-    transients of that rank."""
+    RSS (tests/plan_cases.py); the build alone in malloc's live bytes (its RSS growth moved
+    with the heap chunks the worker's earlier jobs had freed). Planned: weights + fp32 grads
+    + Adam states + activations + transients of that rank."""
     cfg = load_config(None, STEP + overrides)
     result = mp.plan_config(cfg, "cpu")
     stage = result.stages[0]
