@@ -88,10 +88,11 @@ def megatron(spec, tokens: torch.Tensor):
             sum(p.numel() for p in actor.parameters().values()))
 
 
-def interleaved(steps: dict, warmup: int, n: int, seconds: float = 0.0) -> dict[str, float]:
-    """Median seconds per step of each, the steps alternating so that whatever else loads the
-    machine meanwhile hits both alike: `n` rounds, more until `seconds` have passed (a
-    40 ms step's median of 10 moved 0.97-1.02 between runs, of 60 1.004-1.012)."""
+def interleaved(steps: dict, warmup: int, n: int, seconds: float = 0.0
+                ) -> tuple[dict[str, float], int]:
+    """(median seconds per step of each, rounds run), the steps alternating so that whatever
+    else loads the machine meanwhile hits both alike: `n` rounds, more until `seconds` have
+    passed (a 40 ms step's median of 10 moved 0.97-1.02 between runs, of 60 1.004-1.012)."""
     for name, step in steps.items():
         for _ in range(warmup):
             step()
@@ -105,7 +106,7 @@ def interleaved(steps: dict, warmup: int, n: int, seconds: float = 0.0) -> dict[
             t0 = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
-    return {"rounds": rounds} | {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in times.items()}, rounds
 
 
 def parse_case(text: str) -> tuple[str, int, int, int]:
@@ -154,13 +155,13 @@ def main() -> None:
     for (text, spec, tokens), ((plain_step, n_plain), (bare_step, _)) in zip(cases, plain,
                                                                             strict=True):
         mcore_step, n_mcore = megatron(spec, tokens)
-        t = interleaved({"plain PyTorch": plain_step, "Megatron": mcore_step,
-                         "plain, LM loss only": bare_step}, args.warmup, args.steps,
-                        args.seconds)
+        t, rounds = interleaved({"plain PyTorch": plain_step, "Megatron": mcore_step,
+                                 "plain, LM loss only": bare_step}, args.warmup, args.steps,
+                                args.seconds)
         n_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
         print(f"\n{text}: {n_mcore:,} params (plain PyTorch: {n_plain:,}); batch "
               f"{tokens.shape[0]}x{tokens.shape[1] - 1}, fp32, {args.threads} threads, median "
-              f"of {t['rounds']}")
+              f"of {rounds}")
         print(f"{'implementation':40s} {'step (ms)':>10s} {'tokens/s':>10s}")
         for name, label in (("plain PyTorch", "plain PyTorch (transformers), same update"),
                             ("Megatron", "Megatron-core (local spec)"),

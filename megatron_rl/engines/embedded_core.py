@@ -916,11 +916,10 @@ class EmbeddedCore:
     def _keep_finished(self) -> None:
         """The KV of requests that finished (prompt and output, but the last token, which no
         step has fed yet) as cached prefixes: an agent's next turn extends them."""
-        pads = None
+        pads = self.pad.tolist()  # one call, not one a finished row
         for i, s in enumerate(self.batch):
             if s.finish is None or s.finish.get("type") == "error" or s.return_routed:
                 continue
-            pads = self.pad.tolist() if pads is None else pads  # one call, not one a row
             n = self.width - pads[i]
             toks = (s.prompt + s.out)[:n]
             if n < self.prefixes.min_tokens or len(toks) != n:

@@ -117,8 +117,7 @@ class _LinearLogprobs(torch.autograd.Function):
         # the same values either way. Kept or recomputed, the logits become their gradient in
         # place: a second pass writing a new [n, V] tensor cost 2 % more at 34k ids. So this
         # graph takes one backward (a second fails autograd's in-place check: no wrong grads)
-        z = _logits(h, wv, temperature, mm_dtype) if kept is None else kept
-        grad = z
+        grad = _logits(h, wv, temperature, mm_dtype) if kept is None else kept
         with_ent = g_ent is not None and bool(g_ent.any())
         local = labels - vocab_start
         owned = (local >= 0) & (local < valid)
@@ -128,17 +127,17 @@ class _LinearLogprobs(torch.autograd.Function):
         cols, g_at = local[at], g_logp[at]
         cuts = _row_cuts(n, valid)
         label_cuts = torch.searchsorted(at, torch.tensor(cuts, dtype=at.dtype)).tolist()
-        # (an unused entropy gradient still gets a column of blocks, to keep one zip)
-        per_row = (lse, mean_z, -g_logp, -g_ent if with_ent else lse)
-        blocks = zip(*(x.tensor_split(cuts) for x in (z, grad, *(r[:, None] for r in per_row))),
+        per_row = (lse, -g_logp, *((mean_z, -g_ent) if with_ent else ()))
+        blocks = zip(*(x.tensor_split(cuts) for x in (grad, *(r[:, None] for r in per_row))),
                      *(x.tensor_split(label_cuts) for x in (at, cols, g_at)), strict=True)
-        for zb, gb, lse_b, mean_b, coef, neg_g_ent, at_b, cols_b, g_b in blocks:
-            if with_ent:
+        for zb, lse_b, coef, *ent, at_b, cols_b, g_b in blocks:  # zb: logits, then gradient
+            if ent:
+                mean_b, neg_g_ent = ent
                 coef = (zb - mean_b).mul_(neg_g_ent).add_(coef)
-            torch.sub(zb, lse_b, out=gb).exp_().mul_(coef)
+            torch.sub(zb, lse_b, out=zb).exp_().mul_(coef)
             grad.index_put_((at_b, cols_b), g_b, accumulate=True)
             if temperature != 1.0:
-                gb.div_(temperature)
+                zb.div_(temperature)
         grad = _mm_in(grad, mm_dtype or h.dtype)
         grad_h = (grad @ _mm_in(wv, mm_dtype)).to(h.dtype) if ctx.needs_input_grad[0] else None
         grad_w = None
