@@ -219,12 +219,13 @@ class EngineMeter:
             finally:
                 self.prefilling = False
 
-        def prefilled(seqs: list[Any], toks: list[list[int]], cached: int = 0,
-                      kv: Any = None) -> Any:
-            # what the pass runs: rows x its longest suffix after a cached prefix
-            self.prefill_slots += len(toks) * (max(len(t) for t in toks) - cached)
-            self.prefill_tokens += sum(len(t) - cached for t in toks)
-            return prefilling(prefill_rows, seqs, toks, cached, kv)
+        def prefilled(seqs: list[Any], toks: list[list[int]], cached: list[int] | None = None,
+                      kvs: Any = None) -> Any:
+            # what the pass runs: rows x its longest suffix after each row's cached prefix
+            sufs = [len(t) - c for t, c in zip(toks, cached or [0] * len(toks), strict=True)]
+            self.prefill_slots += len(toks) * max(sufs)
+            self.prefill_tokens += sum(sufs)
+            return prefilling(prefill_rows, seqs, toks, cached, kvs)
 
         def prefix(key: tuple[int, ...], base: tuple[int, ...]) -> Any:
             self.prefill_slots += len(key) - len(base)

@@ -994,6 +994,39 @@ def test_a_turn_that_extends_a_finished_request_runs_only_its_new_tokens(model) 
     assert info["finished"] == 3 and info["shared_runs"] == 0
 
 
+def test_turns_after_different_cached_prefixes_share_one_prefill_pass(model) -> None:
+    """Agents' next turns each extend their own finished request (prefixes of different
+    lengths) and join with a prompt that has none: one prefill pass runs them all, each row as
+    [padding, prefix, padding, suffix], and every output equals `generate` of its prompt."""
+    rng = random.Random(8)
+    firsts = [[rng.randrange(1, 512) for _ in range(n)] for n in (40, 57, 71)]
+    core = EmbeddedCore(copy.deepcopy(model), max_batch_size=8)
+    with torch.no_grad():
+        seqs = [core_seq(f"a{i}", p, 6) for i, p in enumerate(firsts)]
+        for s in seqs:  # one at a time: three finished entries, no shared opening
+            core.pending.append(s)
+            while core.batch or core.pending:
+                step(core)
+        prompts = [[*p, *s.future.result(timeout=0)["output_ids"],
+                    *[rng.randrange(1, 512) for _ in range(k)]]
+                   for p, s, k in zip(firsts, seqs, (9, 12, 7), strict=True)]
+        prompts.append([rng.randrange(1, 512) for _ in range(10)])  # no cached prefix
+        passes = []
+        prefill_rows = core._prefill_rows
+        core._prefill_rows = lambda *a: passes.append(a[2]) or prefill_rows(*a)
+        seqs = [core_seq(f"b{i}", p, 6) for i, p in enumerate(prompts)]
+        core.pending.extend(seqs)
+        while core.batch or core.pending:
+            step(core)
+    # one pass; each prefix: a prompt and 5 of its 6 outputs
+    assert len(passes) == 1 and sorted(passes[0]) == [0, 45, 62, 76]
+    for s, p in zip(seqs, prompts, strict=True):
+        assert s.future.result(timeout=0)["output_ids"] == hf_greedy(model, p, 6)
+        assert max_diff(s.logprobs, full_logprobs(model, p, s.out)) < TOL
+    info = core.prefixes.info()
+    assert info["hits"] == 3 and info["tokens_saved"] == 45 + 62 + 76
+
+
 def test_the_recent_prompts_share_openings_as_a_loop_over_them_would() -> None:
     """`PrefixCache.shared` (the longest opening a prompt shares with one of the last `recent`
     prompts, at most its length - 1) answers as comparing it with each of them would, as the

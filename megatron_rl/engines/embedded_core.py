@@ -626,24 +626,23 @@ class EmbeddedCore:
     def _prefill(self, group: list[Seq]) -> None:
         # a retracted request comes back with its output so far: prefill prompt + output
         toks = [s.prompt + s.out for s in group]
-        # rows that share a cached prefix run after it; rows of similar lengths are prefilled
-        # together, so no pass pays for a long prompt's padding on many short ones. All passes
-        # run before any row joins the batch: a failure leaves the running batch as it was
-        # (the caller then retries the rows one by one).
-        by_prefix: dict[tuple[int, ...], list[int]] = {}
-        kvs: dict[tuple[int, ...], Any] = {}  # taken now: a later row's new prefix may evict
-        for i, s in enumerate(group):
-            key = self._prefix_of(toks[i], s)
-            if key:
-                kvs[key] = self.prefixes.get(key)
-            by_prefix.setdefault(key, []).append(i)
+        # each row runs after its longest cached prefix (its last turn, a shared opening), and
+        # rows of similar suffix lengths share a pass whatever their prefixes: an agent's
+        # turns each extend their own cache entry, and a pass per entry cost 4 passes per
+        # admission in the partial-rollout benchmark. All passes run before any row joins the
+        # batch: a failure leaves the running batch as it was (the caller then retries the
+        # rows one by one).
+        keys, kvs = [], []
+        for t, s in zip(toks, group, strict=True):
+            key = self._prefix_of(t, s)
+            keys.append(key)  # its KV taken now: a later row's new prefix may evict it
+            kvs.append(self.prefixes.get(key) if key else None)
         parts = []
-        for key, rows in by_prefix.items():
-            for bucket in prefill_buckets([len(toks[i]) - len(key) for i in rows],
-                                          self.prefill_call_tokens):
-                idx = [rows[b] for b in bucket]
-                parts.append(self._prefill_rows([group[i] for i in idx], [toks[i] for i in idx],
-                                                len(key), kvs.get(key)))
+        for bucket in prefill_buckets([len(t) - len(k) for t, k in zip(toks, keys, strict=True)],
+                                      self.prefill_call_tokens):
+            parts.append(self._prefill_rows([group[i] for i in bucket], [toks[i] for i in bucket],
+                                            [len(keys[i]) for i in bucket],
+                                            [kvs[i] for i in bucket]))
         self._merge(parts)
 
     def _prefix_of(self, toks: list[int], s: Seq) -> tuple[int, ...]:
@@ -673,41 +672,42 @@ class EmbeddedCore:
         _, cache, _ = self._forward(ids, None, pos, cache, False)
         return [(layer.keys, layer.values) for layer in cache.layers]
 
-    def _prefill_rows(self, seqs: list[Seq], toks: list[list[int]], cached: int = 0,
-                      kv: list[tuple[Any, Any]] | None = None) -> _Part:
-        """One prefill pass over rows whose first `cached` tokens have the keys and values
-        `kv` (a cached prefix; then the pass holds [prefix, padding, suffix] and moves the
-        padding first): samples each row's next token; returns the rows' cache, right-aligned
-        after left padding, for `_merge`."""
+    def _prefill_rows(self, seqs: list[Seq], toks: list[list[int]], cached: list[int] | None = None,
+                      kvs: list[Any] | None = None) -> _Part:
+        """One prefill pass over rows whose first `cached[i]` tokens have the keys and values
+        `kvs[i]` (a cached prefix, or None for none): the pass holds each row as [padding,
+        prefix, padding, suffix] and moves the padding first. Samples each row's next token;
+        returns the rows' cache, right-aligned after left padding, for `_merge`."""
         from transformers import DynamicCache
 
-        sufs = [t[cached:] for t in toks]
-        width = max(len(t) for t in sufs)
+        cached = cached or [0] * len(seqs)
+        sufs = [t[c:] for t, c in zip(toks, cached, strict=True)]
+        width, front_cols = max(len(t) for t in sufs), max(cached)
         pad = torch.tensor([width - len(t) for t in sufs])
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, t in enumerate(sufs):
             ids[i, width - len(t):] = torch.tensor(t)
-        pos = (torch.arange(width) - pad[:, None]).clamp(min=0) + cached
+        pos = (torch.arange(width) - pad[:, None]).clamp(min=0) + torch.tensor(cached)[:, None]
         # the model's own layer kinds: Qwen3.5's Gated DeltaNet layers keep recurrent states
         cache = DynamicCache(config=self.model.config)
-        if kv is None:
+        front = torch.tensor([front_cols - c for c in cached])  # each row's prefix padding
+        if not front_cols:
             mask, bias = self._masks(pad, width, prefill=True)
         else:
-            for li, (k, v) in enumerate(kv):
-                cache.update(k.expand(len(seqs), -1, -1, -1), v.expand(len(seqs), -1, -1, -1), li)
-            mask, bias = None, (pad_bias(pad, width, self.dtype, skip=cached)
-                                if bool(pad.any()) else None)
+            cache.layers = _prefix_slabs(kvs, front_cols, front_cols + width)
+            mask, bias = None, (pad_bias(pad, width, self.dtype, skip=front_cols, front=front)
+                                if bool(pad.any() or front.any()) else None)
         routed = any(s.return_routed for s in seqs)
         self.stepping = seqs
         logits, cache, experts = self._forward(ids, mask, pos, cache, routed, bias)
-        if kv is not None and bool(pad.any()):
-            _padding_first(cache, pad, cached)
+        if front_cols and bool(pad.any()):
+            _padding_first(cache, pad, front, front_cols)
         if experts is not None:
             for i, s in enumerate(seqs):
                 s.routed = list(experts[i, width - len(sufs[i]):].numpy().astype(np.int32))
         self._sample(seqs, logits)
         keep = [i for i, s in enumerate(seqs) if s.finish is None]
-        return [seqs[i] for i in keep], keep, cache, pad, cached + width
+        return [seqs[i] for i in keep], keep, cache, pad + front, front_cols + width
 
     def _masks(self, pad: torch.Tensor, cols: int, prefill: bool
                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -1251,14 +1251,36 @@ def _grown(x: torch.Tensor, used: int, cap: int) -> torch.Tensor:
     return out
 
 
-def _padding_first(cache: Any, pad: torch.Tensor, cached: int) -> None:
-    """A pass run after a cached prefix holds each row as [prefix, padding, suffix]: move the
-    padding columns first, as every other pass leaves its rows (keys carry their positions:
-    the order of the columns is the mask's business only)."""
+def _prefix_slabs(kvs: list[Any], cached: int, cols: int) -> list[Any]:
+    """Per attention layer a slab of `cols` columns holding each row's cached prefix (a
+    per-layer list of (keys, values) [1, heads, len, dim], or None) right-aligned at column
+    `cached`, zeros before it: a prefill pass writes the rows' new tokens after it."""
+    k0, v0 = next(kv for kv in kvs if kv is not None)[0]
+    layers = []
+    for li in range(len(next(kv for kv in kvs if kv is not None))):
+        keys = k0.new_zeros(len(kvs), k0.shape[1], cols, k0.shape[3])
+        values = v0.new_zeros(len(kvs), v0.shape[1], cols, v0.shape[3])
+        for i, kv in enumerate(kvs):
+            if kv is not None:
+                k, v = kv[li]
+                keys[i, :, cached - k.shape[2]:cached] = k[0]
+                values[i, :, cached - v.shape[2]:cached] = v[0]
+        layers.append(_slab_layer()(keys, values, cached))
+    return layers
+
+
+def _padding_first(cache: Any, pad: torch.Tensor, front: torch.Tensor, cached: int) -> None:
+    """A pass run after cached prefixes holds each row as [front padding, prefix, padding,
+    suffix], the prefixes ending at column `cached`: move the padding columns first, as every
+    other pass leaves its rows (keys carry their positions: the order of the columns is the
+    mask's business only)."""
     layers = cache.layers
     b, heads, cols, dim = layers[0].keys.shape
-    c, p = torch.arange(cols)[None], pad[:, None]
-    src = torch.where(c < p, cached + c, torch.where(c < p + cached, c - p, c))
+    c, p, f = torch.arange(cols)[None], pad[:, None], front[:, None]
+    # [0, f): front padding stays; [f, f + p): the suffix's padding; then the prefix, shifted
+    # by p; the suffix stays where it is
+    src = torch.where(c < f, c, torch.where(c < f + p, cached + c - f,
+                                            torch.where(c < cached + p, c - p, c)))
     idx = src[:, None, :, None].expand(b, heads, cols, dim)
     for layer in layers:
         layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)

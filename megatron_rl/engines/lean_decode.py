@@ -21,13 +21,16 @@ GATED_DELTA_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv
                      "dt_bias", "norm", "out_proj")
 
 
-def pad_bias(pad: torch.Tensor, cols: int, dtype: torch.dtype, skip: int = 0) -> torch.Tensor:
+def pad_bias(pad: torch.Tensor, cols: int, dtype: torch.dtype, skip: int = 0,
+             front: torch.Tensor | None = None) -> torch.Tensor:
     """[rows, 1, 1, skip + cols] additive attention mask: the dtype's minimum on each row's
-    `pad` columns after the first `skip`, 0 elsewhere. Not -inf: a query row that sees only
-    padding must still give finite values (a left-padded prefill's pad rows), or NaNs reach
-    the cache."""
+    `pad` columns after the first `skip` (and on its first `front` columns of those), 0
+    elsewhere. Not -inf: a query row that sees only padding must still give finite values (a
+    left-padded prefill's pad rows), or NaNs reach the cache."""
     col = torch.arange(cols)[None] < pad[:, None]
-    cut = torch.cat([torch.zeros(len(pad), skip, dtype=torch.bool), col], 1)[:, None, None, :]
+    head = (torch.zeros(len(pad), skip, dtype=torch.bool) if front is None
+            else torch.arange(skip)[None] < front[:, None])
+    cut = torch.cat([head, col], 1)[:, None, None, :]
     return torch.zeros(cut.shape, dtype=dtype).masked_fill_(cut, torch.finfo(dtype).min)
 
 
