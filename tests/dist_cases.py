@@ -304,3 +304,33 @@ def _one_rank_linear_as_megatrons(tp_group) -> bool:
         layers.linear_with_grad_accumulation_and_async_allreduce, router.router_gating_linear))
     return shimmed and all(torch.equal(a, b) for pair in (results[:2], results[2:])
                            for a, b in zip(*pair, strict=True))
+
+
+def foreach_adam_against_loop(folder: str) -> dict:
+    """The actor's Adam runs torch's for-each form, also after loading a checkpoint saved with
+    no choice in its param groups (an older one's); two steps of it and of torch's per-tensor
+    loop from the same weights and optimizer state leave the same parameters bit for bit."""
+    from megatron_rl.trainer.offload import torch_optimizers
+
+    def groups(actor: MegatronActor) -> list:
+        return [g for o in torch_optimizers(actor.optimizer) for g in o.param_groups]
+
+    first = make_actor([])
+    built = [g.get("foreach") for g in groups(first)]
+    for g in groups(first):
+        g["foreach"] = None
+    save_checkpoint(first, folder)
+    batch, params, loaded = fixed_batch(), [], []
+    for loop in (False, True):
+        actor = make_actor([])
+        load_checkpoint(actor, folder, optimizer=True, rng=False)
+        loaded.append([g.get("foreach") for g in groups(actor)])
+        for g in groups(actor):
+            g["foreach"] = not loop
+        for _ in range(2):
+            actor.train_step(batch, lm_loss)
+        params.append({k: v.detach().clone() for k, v in actor.parameters().items()})
+    start = first.parameters()
+    return {"built": built, "loaded": loaded[0],
+            "same": all(torch.equal(params[0][k], params[1][k]) for k in params[0]),
+            "moved": sum(not torch.equal(params[0][k], start[k]) for k in start)}

@@ -142,3 +142,9 @@ def test_checkpoint_before_the_first_optimizer_step_loads(tmp_path):
     get_pool(1).run(dist_cases.save_initial, str(tmp_path / "ckpt"))
     got = get_pool(1).run(dist_cases.resume_and_step, [], str(tmp_path / "ckpt"))[0]
     assert got["loss2"] > 0 and got["grad_norm2"] > 0
+
+
+def test_the_actors_adam_runs_its_foreach_form_bit_for_bit(tmp_path):
+    got = get_pool(1).run(dist_cases.foreach_adam_against_loop, str(tmp_path / "ckpt"))[0]
+    assert got["built"] and all(got["built"]) and all(got["loaded"]), got
+    assert got["same"] and got["moved"] > 10, got

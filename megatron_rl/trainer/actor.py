@@ -27,7 +27,7 @@ from megatron_rl.trainer.microbatching import (
     micro_batches,
     packing_unsupported,
 )
-from megatron_rl.trainer.offload import MoveStats, Offloader
+from megatron_rl.trainer.offload import MoveStats, Offloader, torch_optimizers
 
 # reported-metric keys of a loss's token means and their count (`LossOutput.token_metrics`)
 TOKEN_MEAN, MASKED_TOKENS = "token_mean/", "token_mean/__count__"
@@ -124,7 +124,12 @@ class MegatronActor:
             use_distributed_optimizer=self.cfg.parallel.distributed_optimizer,
             optimizer_cpu_offload=o.cpu_offload_fraction > 0,
             optimizer_offload_fraction=o.cpu_offload_fraction)
-        return get_megatron_optimizer(config, self.model)
+        optimizer = get_megatron_optimizer(config, self.model)
+        for inner in torch_optimizers(optimizer):
+            if isinstance(inner, torch.optim.Adam):  # AdamW too
+                _foreach(inner)
+                inner.register_load_state_dict_post_hook(_foreach)  # a checkpoint's groups
+        return optimizer
 
     def _build_scheduler(self):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -404,3 +409,13 @@ def _gathered_logits(*, hidden_states, output_layer, output_weight, vocab: int, 
     logits, _ = output_layer(hidden_states, weight=output_weight)
     logits = gather_from_tensor_model_parallel_region(logits)  # [s, b, V_padded]
     return logits[..., :vocab].transpose(0, 1).float().contiguous()
+
+
+def _foreach(optimizer: torch.optim.Optimizer) -> None:
+    """torch's Adam(W), megatron's optimizer without TE or apex (on CPU), loops over its
+    tensors in Python off CUDA, six ops a tensor; its for-each form is the same update bit for
+    bit (tests/test_checkpoint.py) in a few kernels over all of them. Where a group has
+    no choice of its own."""
+    for group in optimizer.param_groups:
+        if group.get("foreach") is None:
+            group["foreach"] = True

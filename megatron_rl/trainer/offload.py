@@ -42,7 +42,7 @@ class MoveStats:
         return out
 
 
-def _optimizers(optimizer: Any) -> Iterator[Any]:
+def torch_optimizers(optimizer: Any) -> Iterator[Any]:
     """The torch optimizers inside megatron's (chained) optimizer."""
     for o in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(o, "optimizer", None)
@@ -60,7 +60,7 @@ def actor_tensors(model: list[torch.nn.Module], optimizer: Any
             for g in (getattr(p, "main_grad", None), p.grad):
                 if g is not None:
                     yield "grads", g
-    for opt in _optimizers(optimizer):
+    for opt in torch_optimizers(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
                 yield "optimizer", p  # fp32 main params (the model's own under fp32)
