@@ -1255,9 +1255,10 @@ def _prefix_slabs(kvs: list[Any], cached: int, cols: int) -> list[Any]:
     """Per attention layer a slab of `cols` columns holding each row's cached prefix (a
     per-layer list of (keys, values) [1, heads, len, dim], or None) right-aligned at column
     `cached`, zeros before it: a prefill pass writes the rows' new tokens after it."""
-    k0, v0 = next(kv for kv in kvs if kv is not None)[0]
+    first = next(kv for kv in kvs if kv is not None)
+    k0, v0 = first[0]
     layers = []
-    for li in range(len(next(kv for kv in kvs if kv is not None))):
+    for li in range(len(first)):
         keys = k0.new_zeros(len(kvs), k0.shape[1], cols, k0.shape[3])
         values = v0.new_zeros(len(kvs), v0.shape[1], cols, v0.shape[3])
         for i, kv in enumerate(kvs):
