@@ -219,10 +219,10 @@ class EngineMeter:
             finally:
                 self.prefilling = False
 
-        def prefilled(seqs: list[Any], toks: list[list[int]], cached: list[int] | None = None,
-                      kvs: Any = None) -> Any:
+        def prefilled(seqs: list[Any], toks: list[list[int]], cached: list[int],
+                      kvs: list[Any]) -> Any:
             # what the pass runs: rows x its longest suffix after each row's cached prefix
-            sufs = [len(t) - c for t, c in zip(toks, cached or [0] * len(toks), strict=True)]
+            sufs = [len(t) - c for t, c in zip(toks, cached, strict=True)]
             self.prefill_slots += len(toks) * max(sufs)
             self.prefill_tokens += sum(sufs)
             return prefilling(prefill_rows, seqs, toks, cached, kvs)

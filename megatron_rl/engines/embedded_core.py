@@ -672,15 +672,14 @@ class EmbeddedCore:
         _, cache, _ = self._forward(ids, None, pos, cache, False)
         return [(layer.keys, layer.values) for layer in cache.layers]
 
-    def _prefill_rows(self, seqs: list[Seq], toks: list[list[int]], cached: list[int] | None = None,
-                      kvs: list[Any] | None = None) -> _Part:
+    def _prefill_rows(self, seqs: list[Seq], toks: list[list[int]], cached: list[int],
+                      kvs: list[Any]) -> _Part:
         """One prefill pass over rows whose first `cached[i]` tokens have the keys and values
         `kvs[i]` (a cached prefix, or None for none): the pass holds each row as [padding,
         prefix, padding, suffix] and moves the padding first. Samples each row's next token;
         returns the rows' cache, right-aligned after left padding, for `_merge`."""
         from transformers import DynamicCache
 
-        cached = cached or [0] * len(seqs)
         sufs = [t[c:] for t, c in zip(toks, cached, strict=True)]
         width, front_cols = max(len(t) for t in sufs), max(cached)
         pad = torch.tensor([width - len(t) for t in sufs])
