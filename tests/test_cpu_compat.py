@@ -139,3 +139,27 @@ def test_grads_accumulate_into_main_grad_as_ddp_hooks_add_them():
     assert out["params"] > 20 and out["all"] and out["aliased"] == out["params"]
     assert out["metrics_equal"] and out["grads_equal"]
     assert out["nonzero"] >= out["params"] - 2  # (an expert may get no token)
+
+
+
+def test_rope_backward_writes_autograds_values_bit_for_bit():
+    """The rope shim's function: output and gradient exactly those of autograd through the
+    ops it replaces (halves of the last dim negated, chunked, concatenated), with a
+    non-contiguous incoming gradient as attention's."""
+    cpu_compat.import_megatron()
+    from megatron.core.models.common.embeddings import rope_utils
+
+    g = torch.Generator().manual_seed(0)
+    t0 = torch.randn(12, 2, 3, 16, generator=g)
+    freqs = torch.rand(12, 1, 1, 16, generator=g) * 6
+    upstream = torch.randn(2, 12, 3, 16, generator=g).transpose(0, 1)  # strided like q's
+    cos, sin = torch.cos(freqs), torch.sin(freqs)
+    runs = []
+    for fn in (lambda t: cpu_compat._Rope.apply(t, cos, sin, rope_utils._rotate_half),
+               lambda t: t * cos + rope_utils._rotate_half(t, False) * sin):
+        t = t0.clone().requires_grad_()
+        out = fn(t)
+        out.backward(upstream)
+        runs.append([out.detach(), t.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert runs[0][1].abs().sum() > 0

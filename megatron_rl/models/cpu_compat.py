@@ -327,9 +327,30 @@ def _probe_identitysort() -> bool:
 
 
 # -- rope: megatron's unfused RoPE recomputes cos and sin of the same frequencies for q and k of
-# every layer and copies the result once more (a cat with the empty unrotated part). TE fuses
-# it on GPU; here cos/sin are taken once per forward (the frequencies are one tensor) and the
-# copy is skipped when every channel rotates. Same ops on the same values otherwise.
+# every layer and copies the result once more (a cat with the empty unrotated part); its
+# backward negates half the gradient and concatenates the halves (chunk's backward). TE fuses
+# it on GPU; here cos/sin are taken once per forward (the frequencies are one tensor), the
+# copy is skipped when every channel rotates, and backward adds the rotated halves in place.
+# The same values bit for bit.
+class _Rope(torch.autograd.Function):
+    """t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1] (halves of the last dim)."""
+
+    @staticmethod
+    def forward(ctx, t, cos, sin, rotate_half):
+        ctx.save_for_backward(cos, sin)
+        return t * cos + rotate_half(t, False) * sin
+
+    @staticmethod
+    def backward(ctx, g):
+        # autograd's: g * cos + [g2 * sin2, -(g1 * sin1)]
+        cos, sin = ctx.saved_tensors
+        g_sin, grad = g * sin, g * cos
+        half = grad.shape[-1] // 2
+        grad[..., :half] += g_sin[..., half:]
+        grad[..., half:] -= g_sin[..., :half]
+        return grad, None, None, None
+
+
 def _apply_rope() -> None:
     from megatron.core.models.common.embeddings import rope_utils
 
@@ -339,15 +360,14 @@ def _apply_rope() -> None:
     def rope(t, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
              multi_latent_attention=None):
         if (mla_rotary_interleaved or multi_latent_attention or mscale != 1.0
-                or freqs.shape[-1] != t.shape[-1] or freqs.requires_grad):
+                or rotary_interleaved or freqs.shape[-1] != t.shape[-1] or freqs.requires_grad):
             return orig(t, freqs, rotary_interleaved, mla_rotary_interleaved, mscale,
                         multi_latent_attention)
         held = last[0]
         if held is None or held[0] is not freqs or held[1:] != (freqs._version, t.dtype):
             last[:] = [(freqs, freqs._version, t.dtype), torch.cos(freqs).to(t.dtype),
                        torch.sin(freqs).to(t.dtype)]
-        cos_, sin_ = last[1], last[2]
-        return t * cos_ + rope_utils._rotate_half(t, rotary_interleaved) * sin_
+        return _Rope.apply(t, last[1], last[2], rope_utils._rotate_half)
 
     rope_utils._apply_rotary_pos_emb_bshd = rope
 

@@ -35,6 +35,17 @@ def _row_cuts(n: int, columns: int) -> list[int]:
     return cuts
 
 
+def _widest(n: int, cuts: list[int]) -> int:
+    """Rows in the largest block of n rows cut at `cuts`."""
+    edges = [0, *cuts, n]
+    return max(b - a for a, b in zip(edges, edges[1:]))
+
+
+def _label_cuts(at: torch.Tensor, cuts: list[int]) -> list[int]:
+    """Where the sorted row indices `at` split to follow the row blocks `cuts`."""
+    return torch.searchsorted(at, torch.tensor(cuts, dtype=at.dtype)).tolist()
+
+
 def _tp_group():
     from megatron.core import parallel_state as ps
 
@@ -69,10 +80,6 @@ class _LinearLogprobs(torch.autograd.Function):
         wv = w[:valid]
         z = _logits(h, wv, temperature, mm_dtype)             # [n, valid]
         n = h.shape[0]
-        # small logits stay for backward (what recomputing them saves is not worth a matmul);
-        # forward never changes z in place, so kept ones need no copy
-        kept = z if z.numel() * z.element_size() <= memory_plan.keep_logits_bytes(
-            z.device.type) else None
         local = labels - vocab_start
         owned = (local >= 0) & (local < valid)
         if not valid:
@@ -83,58 +90,71 @@ class _LinearLogprobs(torch.autograd.Function):
             # the max over every shard first when there are several; alone, block by block
             shift = z.amax(-1) if tp > 1 else z.new_empty(n)
             _all_reduce(shift, MAX, group, tp)
+            label_z = z.gather(-1, local.clamp(0, valid - 1)[:, None])[:, 0]
             stats = z.new_empty(3, n)                        # sum e, label z, sum e * z
             cuts = _row_cuts(n, valid)
-            # views made once per chunk: a block then costs six kernels and no indexing
+            scratch = z.new_empty(_widest(n, cuts), valid)
+            # views made once per chunk: a block then costs five kernels and no indexing.
+            # e = exp(z - shift) replaces the logits in place: backward's p is e / sum e, one
+            # pass (recomputing exp there took 3x as long at 34k ids)
             for zb, sb, sum_e, e_z in zip(*(x.tensor_split(cuts) for x in (
                     z, shift[:, None], stats[0], stats[2])), strict=True):
                 if tp == 1:
                     torch.amax(zb, -1, keepdim=True, out=sb)
-                zs = zb - sb
-                e = zs.exp()
-                torch.sum(e, -1, out=sum_e)
-                torch.sum(e.mul_(zs), -1, out=e_z)
-            picked = z.gather(-1, local.clamp(0, valid - 1)[:, None])[:, 0] - shift
-            stats[1] = torch.where(owned, picked, 0.0)
+                zs = torch.sub(zb, sb, out=scratch[:zb.shape[0]])
+                torch.exp(zs, out=zb)
+                torch.sum(zb, -1, out=sum_e)
+                torch.sum(zs.mul_(zb), -1, out=e_z)
+            stats[1] = torch.where(owned, label_z - shift, 0.0)
         _all_reduce(stats, SUM, group, tp)
         sum_e, label_z, e_z = stats
         log_z = sum_e.log()
         logp = label_z - log_z
         mean_z = e_z / sum_e                                  # E_p[z - shift]
         ent = log_z - mean_z
-        ctx.save_for_backward(h, w, labels, shift + log_z, shift + mean_z, kept)
+        # small chunks keep e for backward (what recomputing it saves is not worth a matmul)
+        kept = z if z.numel() * z.element_size() <= memory_plan.keep_logits_bytes(
+            z.device.type) else None
+        ctx.save_for_backward(h, w, labels, shift, sum_e, mean_z, kept)
         ctx.meta = (vocab_start, valid, temperature, mm_dtype)
         ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        h, w, labels, lse, mean_z, kept = ctx.saved_tensors
+        h, w, labels, shift, sum_e, mean_z, kept = ctx.saved_tensors
         vocab_start, valid, temperature, mm_dtype = ctx.meta
         n = h.shape[0]
         g_logp = g_logp if g_logp is not None else h.new_zeros(n, dtype=torch.float32)
         wv = w[:valid]
-        # the same values either way. Kept or recomputed, the logits become their gradient in
-        # place: a second pass writing a new [n, V] tensor cost 2 % more at 34k ids. So this
-        # graph takes one backward (a second fails autograd's in-place check: no wrong grads)
+        # kept or recomputed, e = exp(z - shift) (the same values either way) becomes the
+        # gradient in place: a second pass writing a new [n, V] tensor cost 2 % more at 34k
+        # ids. So this graph takes one backward (a second fails autograd's in-place check)
         grad = _logits(h, wv, temperature, mm_dtype) if kept is None else kept
         with_ent = g_ent is not None and bool(g_ent.any())
         local = labels - vocab_start
         owned = (local >= 0) & (local < valid)
-        # d logp / dz = onehot - p;  d entropy / dz = -p (z - E_p[z]). The per-row factor is
-        # negated up front (exact: rounding is symmetric), which saves a pass negating p * coef
+        # d logp / dz = onehot - p;  d entropy / dz = -p (z - E_p[z]), p = e / sum e. With
+        # z - shift = log e: grad = e (scale - log e g_ent / sum e), scale = (E_p[z - shift]
+        # g_ent - g_logp) / sum e; the log only when the entropy has a gradient
         at = owned.nonzero()[:, 0]
         cols, g_at = local[at], g_logp[at]
         cuts = _row_cuts(n, valid)
-        label_cuts = torch.searchsorted(at, torch.tensor(cuts, dtype=at.dtype)).tolist()
-        per_row = (lse, -g_logp, *((mean_z, -g_ent) if with_ent else ()))
+        scale = ((mean_z * g_ent if with_ent else 0.0) - g_logp) / sum_e
+        per_row = (shift, scale, *((-g_ent / sum_e,) if with_ent else ()))
         blocks = zip(*(x.tensor_split(cuts) for x in (grad, *(r[:, None] for r in per_row))),
-                     *(x.tensor_split(label_cuts) for x in (at, cols, g_at)), strict=True)
-        for zb, lse_b, coef, *ent, at_b, cols_b, g_b in blocks:  # zb: logits, then gradient
-            if ent:
-                mean_b, neg_g_ent = ent
-                coef = (zb - mean_b).mul_(neg_g_ent).add_(coef)
-            torch.sub(zb, lse_b, out=zb).exp_().mul_(coef)
+                     *(x.tensor_split(_label_cuts(at, cuts)) for x in (at, cols, g_at)),
+                     strict=True)
+        scratch = grad.new_empty(_widest(n, cuts), valid) if with_ent else None
+        tiny = torch.finfo(grad.dtype).tiny
+        for zb, sb, scale_b, *ent, at_b, cols_b, g_b in blocks:  # zb: e, then the gradient
+            if kept is None:
+                torch.sub(zb, sb, out=zb).exp_()
+            if ent:  # log e from the smallest normal up: 0 where e is 0 (xlogy took 3x)
+                log_e = torch.clamp_min(zb, tiny, out=scratch[:zb.shape[0]]).log_()
+                zb.mul_(torch.addcmul(scale_b, log_e, ent[0], out=log_e))
+            else:
+                zb.mul_(scale_b)
             grad.index_put_((at_b, cols_b), g_b, accumulate=True)
             if temperature != 1.0:
                 zb.div_(temperature)
