@@ -163,3 +163,23 @@ def test_rope_backward_writes_autograds_values_bit_for_bit():
         runs.append([out.detach(), t.grad])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
     assert runs[0][1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (12, 2, 3, 16), (30, 48)])
+def test_local_rmsnorm_is_torchs_rms_norm_bit_for_bit(shape):
+    """The local spec's RMSNorm (one autograd node): output and both gradients exactly those of
+    autograd through torch's rms_norm, for a power-of-two width and another."""
+    from megatron_rl.models.layer_specs import _RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x0, upstream = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    w0 = torch.rand(shape[-1], generator=g) + 0.5
+    runs = []
+    for fn in (lambda x, w: _RMSNorm.apply(x, w, 1e-6),
+               lambda x, w: torch.nn.functional.rms_norm(x, w.shape, w, 1e-6)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = fn(x, w)
+        out.backward(upstream)
+        runs.append([out.detach(), x.grad, w.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert all(t.abs().sum() > 0 for t in runs[0])

@@ -39,8 +39,35 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gamma = self.weight.float() + 1.0 if self.zero_centered else self.weight.float()
-        # torch's fused rms_norm is the same fp32 math in one op (one autograd node, not five)
-        return torch.nn.functional.rms_norm(x.float(), gamma.shape, gamma, self.eps).to(x.dtype)
+        return _RMSNorm.apply(x.float(), gamma, self.eps).to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """`F.rms_norm(x, gamma.shape, gamma, eps)` over the last dim, forward and backward the same
+    values bit for bit, in one autograd node. On CPU torch runs rms_norm as six ops that
+    autograd differentiates one by one (a pow and a mean backward over [tokens, hidden], a
+    copy for x ** 1): forward and backward took 1.4-1.8x as long at the test models' widths."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, eps: float):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+        normed = x * rstd
+        ctx.save_for_backward(x, rstd, normed, gamma)
+        return normed * gamma
+
+    @staticmethod
+    def backward(ctx, g):
+        # autograd's chain, op for op where it rounds: d rsqrt(v) = -0.5 g rsqrt(v)^3;
+        # d mean = g / hidden; d x^2 = 2 x g (the scalings by 2 and -0.5 are exact)
+        x, rstd, normed, gamma = ctx.saved_tensors
+        g_gamma = ((g * normed).sum(dim=tuple(range(g.dim() - 1)))
+                   if ctx.needs_input_grad[1] else None)
+        g_normed = g * gamma
+        g_rstd = (g_normed * x).sum(-1, keepdim=True)
+        g_square = (-0.5 * g_rstd) * rstd.pow(3) / x.shape[-1] * 2
+        g_x = g_normed * rstd
+        g_x += x * g_square
+        return g_x, g_gamma, None
 
 
 class PlainTENorm:

@@ -12,6 +12,8 @@ take at most `memory_plan.KEEP_LOGITS_BYTES` of its device keeps them instead.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from megatron_rl.models import memory_plan
@@ -38,7 +40,7 @@ def _row_cuts(n: int, columns: int) -> list[int]:
 def _widest(n: int, cuts: list[int]) -> int:
     """Rows in the largest block of n rows cut at `cuts`."""
     edges = [0, *cuts, n]
-    return max(b - a for a, b in zip(edges, edges[1:]))
+    return max(b - a for a, b in itertools.pairwise(edges))
 
 
 def _label_cuts(at: torch.Tensor, cuts: list[int]) -> list[int]:
