@@ -2,12 +2,14 @@
 
 The full [tokens, vocab] logits tensor is never materialised: one fused autograd function per
 chunk computes that chunk's logits from the final hidden states, reduces the softmax statistics
-across the TP ranks' vocab shards, and keeps only per-token numbers; backward recomputes the
-chunk's logits once and turns them into their gradient in place. Between the matmuls, the
-elementwise work runs over blocks of rows that fit in cache. (Autograd through the
-elementwise ops, or activation checkpointing, made ~10 full-size passes per chunk and
-allocated a zero tensor per gather: 5x a plain cross-entropy step on CPU.) A chunk whose logits
-take at most `memory_plan.KEEP_LOGITS_BYTES` of its device keeps them instead.
+across the TP ranks' vocab shards, and keeps only per-token numbers. Forward leaves
+e = exp(z - max) in the logits' place; a chunk whose logits take at most
+`memory_plan.KEEP_LOGITS_BYTES` of its device keeps it for backward, a larger one is
+recomputed there (matmul, subtract, exp: the same values). Backward turns e into the gradient
+in place, p = e / sum e being one pass. Between the matmuls, the elementwise work runs over
+blocks of rows that fit in cache. (Autograd through the elementwise ops, or activation
+checkpointing, made ~10 full-size passes per chunk and allocated a zero tensor per gather: 5x
+a plain cross-entropy step on CPU.)
 """
 
 from __future__ import annotations
