@@ -23,10 +23,12 @@ from megatron_rl.models import memory_plan
 MAX, SUM = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.SUM
 # the softmax's elementwise passes go over this many bytes of logits at a time: each block
 # stays in cache through all of them, where passes over a whole chunk each went to memory
-# (bit for bit the same values: every row's sums run in the same kernel). A core's L2 (2 MB
-# here): at the quickstart's 34k ids a step took 1.08 s with 2 MB blocks, 1.12 s with 8 MB,
-# 1.15 s with 512 KB (more Python per block)
-BLOCK_BYTES = 2 << 20
+# (bit for bit the same values: every row's sums run in the same kernel). Each block's ops
+# also cost a fixed overhead (dispatch, the intra-op threads' fork and join). At
+# the quickstart's 34k ids: on a CPU with 2 MB of L2 a step took 1.08 s with 2 MB blocks,
+# 1.12 s with 8 MB, 1.15 s with 512 KB; on an EPYC with 512 KB of L2 and 32 MB of L3 4 MB
+# blocks ran the step 1.8 % faster than 2 MB and 1 MB 6.5 % slower (same process, 24 rounds)
+BLOCK_BYTES = 4 << 20
 
 
 def _row_cuts(n: int, columns: int) -> list[int]:
