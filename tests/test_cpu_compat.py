@@ -141,7 +141,6 @@ def test_grads_accumulate_into_main_grad_as_ddp_hooks_add_them():
     assert out["nonzero"] >= out["params"] - 2  # (an expert may get no token)
 
 
-
 def test_rope_backward_writes_autograds_values_bit_for_bit():
     """The rope shim's function: output and gradient exactly those of autograd through the
     ops it replaces (halves of the last dim negated, chunked, concatenated), with a
@@ -155,7 +154,7 @@ def test_rope_backward_writes_autograds_values_bit_for_bit():
     upstream = torch.randn(2, 12, 3, 16, generator=g).transpose(0, 1)  # strided like q's
     cos, sin = torch.cos(freqs), torch.sin(freqs)
     runs = []
-    for fn in (lambda t: cpu_compat._Rope.apply(t, cos, sin, rope_utils._rotate_half),
+    for fn in (lambda t: cpu_compat._Rope.apply(t, cos, sin),
                lambda t: t * cos + rope_utils._rotate_half(t, False) * sin):
         t = t0.clone().requires_grad_()
         out = fn(t)

@@ -336,9 +336,10 @@ class _Rope(torch.autograd.Function):
     """t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1] (halves of the last dim)."""
 
     @staticmethod
-    def forward(ctx, t, cos, sin, rotate_half):
+    def forward(ctx, t, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return t * cos + rotate_half(t, False) * sin
+        t1, t2 = torch.chunk(t, 2, dim=-1)  # megatron's `_rotate_half`, op for op
+        return t * cos + torch.cat((-t2, t1), dim=-1) * sin
 
     @staticmethod
     def backward(ctx, g):
@@ -348,7 +349,7 @@ class _Rope(torch.autograd.Function):
         half = grad.shape[-1] // 2
         grad[..., :half] += g_sin[..., half:]
         grad[..., half:] -= g_sin[..., :half]
-        return grad, None, None, None
+        return grad, None, None
 
 
 def _apply_rope() -> None:
@@ -367,7 +368,7 @@ def _apply_rope() -> None:
         if held is None or held[0] is not freqs or held[1:] != (freqs._version, t.dtype):
             last[:] = [(freqs, freqs._version, t.dtype), torch.cos(freqs).to(t.dtype),
                        torch.sin(freqs).to(t.dtype)]
-        return _Rope.apply(t, last[1], last[2], rope_utils._rotate_half)
+        return _Rope.apply(t, last[1], last[2])
 
     rope_utils._apply_rotary_pos_emb_bshd = rope
 
