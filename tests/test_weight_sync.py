@@ -14,7 +14,10 @@ TOL = 1e-5
 CASES = {  # layout → transport (ranks: 2 unless named)
     "ep2-tensor": (["parallel.ep=2"], "tensor"),
     "tp2-distributed": (["parallel.tp=2"], "distributed"),
-    # a sender per pipeline stage: each writes the layers it holds whole, nothing is reduced
+    # one sender: rank 0's own experts and dense layers go unreduced, rank 1's come to it
+    "ep2-distributed": (["parallel.ep=2"], "distributed"),
+    # a sender per pipeline stage (and per EP rank): each writes the layers (experts) it holds
+    # whole, nothing is reduced
     "pp2-disk": (["parallel.pp=2"], "disk"),
     "pp2-tensor": (["parallel.pp=2"], "tensor"),
     "pp2-tensor-http": (["parallel.pp=2"], "tensor-http"),
@@ -59,19 +62,27 @@ def test_engine_matches_trainer_after_sync(case, initial, tmp_path):
     assert set(r["before"][2]) == {6 if one else 0}
     assert stale > 1e-3  # the step moved the weights: the test can see a missed sync
     assert mismatch <= TOL
-    if case.startswith("pp2"):
+    if case.startswith(("pp2", "ep2")) and transport != "distributed":
+        # each stage sends its layers, each EP rank its experts
         assert [g["reduced_layers"] for g in got] == [0, 0]
         assert all(g["tensors"] > 0 for g in got)
+        assert not any(g["reduces"] for g in got)  # the look-ahead has nothing to do
         assert sum(g["tensors"] for g in got) == _hf_tensors(hf)
-    elif not one:  # one sender: rank 0 gets every layer by reduction
+    elif not one:  # one sender: rank 0 gets what others hold by reduction
         assert got[1]["tensors"] == 0 and r["tensors"] == _hf_tensors(hf)
-        assert r["reduced_layers"] > 0
+        # tiny-moe's 2 layers: at TP2 each one's split linears and the vocabulary's 2 tensors
+        # (norms, which rank 0 holds alone, are not reduced); at EP2 rank 1's experts alone
+        assert r["reduced_layers"] == (2 if case.startswith("ep2") else 4)
+        assert all(g["reduces"] for g in got)
+    else:
+        assert not r["reduces"]
 
 
-def test_the_next_bucket_is_gathered_while_the_current_one_is_sent():
-    """The bucketed transports' look-ahead: producing item k+1 (the gather's reductions in a
-    worker thread) starts before the caller has finished sending item k, items keep their
-    order, and one `next` runs at a time."""
+@pytest.mark.parametrize("depth", [1, 3])
+def test_the_next_buckets_are_gathered_while_the_current_one_is_sent(depth):
+    """The bucketed transports' look-ahead: producing items k+1 .. k+depth (the gather's
+    reductions in a worker thread) starts before the caller has finished sending item k, and
+    no further; items keep their order, and one `next` runs at a time."""
     import asyncio
     import threading
 
@@ -79,30 +90,34 @@ def test_the_next_bucket_is_gathered_while_the_current_one_is_sent():
 
     from megatron_rl.trainer.weight_sync import _Ahead
 
-    started = [threading.Event() for _ in range(4)]
+    n = 6
+    started = [threading.Event() for _ in range(n)]
     busy = threading.Lock()
 
     def produce():
-        for k in range(4):
+        for k in range(n):
             assert busy.acquire(blocking=False), "two `next` calls at once"
             started[k].set()
             busy.release()
             yield k
 
     async def consume() -> list[int]:
-        got, ahead = [], _Ahead(torch.device("cpu"))
+        got, ahead = [], _Ahead(torch.device("cpu"), look_ahead=depth)
         async for k in ahead(produce()):
-            if k < 3:  # while "sending" k, the producer has already started k + 1
-                assert await asyncio.to_thread(started[k + 1].wait, 10), f"no overlap at {k}"
+            last = min(k + depth, n - 1)  # while "sending" k, the producer made k + depth
+            assert await asyncio.to_thread(started[last].wait, 10), f"no overlap at {k}"
+            if last + 1 < n:
+                await asyncio.sleep(0.02)
+                assert not started[last + 1].is_set(), f"more than {depth} ahead at {k}"
             got.append(k)
         assert ahead.caller_s > 0
         return got
 
-    assert asyncio.run(consume()) == [0, 1, 2, 3]
+    assert asyncio.run(consume()) == list(range(n))
 
 
 def test_without_look_ahead_the_next_bucket_waits_for_the_send():
-    """`WeightSyncer(overlap=False)`, the benchmark's reference: item k+1 is produced only
+    """`WeightSyncer(look_ahead=0)`, the benchmark's reference: item k+1 is produced only
     after the caller is done with item k."""
     import asyncio
 
@@ -118,7 +133,7 @@ def test_without_look_ahead_the_next_bucket_waits_for_the_send():
             yield k
 
     async def consume() -> None:
-        inline = _Ahead(torch.device("cpu"), look_ahead=False)
+        inline = _Ahead(torch.device("cpu"), look_ahead=0)
         async for k in inline(produce()):
             await asyncio.sleep(0.01)
             log.append(f"send {k}")

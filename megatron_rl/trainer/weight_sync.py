@@ -1,13 +1,14 @@
 """Weight sync: the trainer's Megatron shards → full HF-named tensors → rollout engines.
 
-Gather. Every trainer rank walks the weight map's units in the same order, one layer at a time.
-For each layer it fills a flat buffer with only the chunks it owns as *main replica* (megatron's
-own sharding metadata says which layer, expert and TP slice each local parameter is) and the
-buffers are summed onto the layer's sender: one collective per layer, correct for any
-TP/PP/EP/DP layout. The sender is the lowest rank holding a piece of the layer, so each pipeline
-stage sends its own layers (its first rank); a layer that one rank holds whole (pipeline
-parallelism alone) is not reduced at all. The sender converts the layer to HF names with the same
-`WeightMap` the converters use.
+Gather. Every trainer rank walks the weight map's units in the same order, one layer at a time,
+each layer's units grouped by the ranks that hold pieces of them as *main replica* (megatron's
+own sharding metadata says which layer, expert and TP slice each local parameter is). For each
+group it fills a flat buffer with only the chunks it owns and the buffers are summed onto the
+group's sender: one collective per group, correct for any TP/PP/EP/DP layout. The sender is the
+lowest rank holding a piece, so each pipeline stage sends its own layers (its first rank) and
+each expert-parallel rank its own experts; a group that one rank holds whole (PP, EP without
+TP) is not reduced at all. The sender converts the group to HF names with the same `WeightMap`
+the converters use.
 
 Transfer. Each sender streams its HF tensors, in buckets, to every engine, over one of:
   tensor       `/update_weights_from_tensor` (the colocated path: a shared-memory segment for
@@ -18,7 +19,7 @@ Transfer. Each sender streams its HF tensors, in buckets, to every engine, over 
 Every update carries a `weight_version`; engines stamp it on each token they generate after it.
 With several senders rank 0 opens the update (the shared-memory pause), all senders write, and
 after a barrier rank 0 alone moves the version (or loads the folder): no engine reports the new
-version while a stage's layers are still old. `distributed` sends everything from rank 0 (its
+version while a sender's layers are still old. `distributed` sends everything from rank 0 (its
 broadcast group has one source).
 On these three the next bucket is gathered and converted in a worker thread while the current
 one is sent (`_Ahead`).
@@ -27,6 +28,7 @@ one is sent (`_Ahead`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import datetime
@@ -100,14 +102,19 @@ class WeightGatherer:
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.modules, self.include_mtp = list(modules), include_mtp
         self.refresh()
+        units = [(entry, index) for entry, index in self.wmap.units()
+                 if include_mtp or entry.layer_type != "mtp"]
+        # a layer's units by the ranks that hold them: at EP each rank's experts are a group
+        # of their own, sent by that rank without a reduction
         groups: dict[Any, list[tuple[Entry, tuple[int, ...]]]] = {}
-        for entry, index in self.wmap.units():
-            if entry.layer_type == "mtp" and not include_mtp:
-                continue
-            groups.setdefault(("layer", entry.layer_type == "mtp", index[0]) if index
-                              else entry.keys, []).append((entry, index))
+        for (entry, index), owners in zip(units, self._owners(units), strict=True):
+            where = ("layer", entry.layer_type == "mtp", index[0]) if index else entry.keys
+            groups.setdefault((where, owners), []).append((entry, index))
         self.layout = [self._group_layout(g) for g in groups.values()]
-        self.senders, self.sole = self._senders()
+        # per group: its sender (the lowest rank holding a piece) and whether nothing is to
+        # be reduced (one holder; none: zeros, on every rank alike)
+        self.senders = [owners[0] if owners else 0 for _, owners in groups]
+        self.sole = [len(owners) <= 1 for _, owners in groups]
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if torch.cuda.is_available() else torch.device("cpu"))
         # the parameters' own dtype: summing one owner's value with zeros is exact in any
@@ -136,21 +143,21 @@ class WeightGatherer:
                 self.local.setdefault((key, index), []).append(
                     (sh.data, tuple(sh.global_offset[stack:]), tuple(sh.local_shape)))
 
-    def _senders(self) -> tuple[list[int], list[bool]]:
-        """Per layer: the lowest rank holding a piece of it, and whether it is the only one
-        (then nothing is reduced). Every rank learns every rank's holdings once."""
-        mine = [g for g, (slots, _) in enumerate(self.layout)
-                if any((key, index) in self.local for _, index, parts in slots
-                       for key, _, _ in parts)]
+    def _owners(self, units: list[tuple[Entry, tuple[int, ...]]]) -> list[tuple[int, ...]]:
+        """Per unit: the ranks holding a piece of it as main replica. Every rank learns every
+        rank's holdings once."""
+        mine = [u for u, (entry, index) in enumerate(units)
+                if any((key, index) in self.local
+                       for key in self.wmap.checkpoint_keys(entry, index))]
         held = [mine]
         if self.world > 1:
             held = [None] * self.world
             dist.all_gather_object(held, mine, group=self.group)
-        owners: list[list[int]] = [[] for _ in self.layout]
-        for rank, groups in enumerate(held):
-            for g in groups:
-                owners[g].append(rank)
-        return ([o[0] if o else 0 for o in owners], [len(o) == 1 for o in owners])
+        owners: list[list[int]] = [[] for _ in units]
+        for rank, ours in enumerate(held):
+            for u in ours:
+                owners[u].append(rank)
+        return [tuple(o) for o in owners]
 
     def sends(self, one_sender: bool = False) -> bool:
         """Whether this rank yields tensors from `hf_tensors`."""
@@ -191,16 +198,16 @@ class WeightGatherer:
             units.append(pairs if viewed else views)
         return units
 
-    @torch.no_grad()
-    def hf_tensors(self, dtype: torch.dtype | None = None, one_sender: bool = False
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every rank must exhaust this iterator (it runs the reductions); each layer's sender
-        yields its (HF name, full tensor) pairs (`one_sender`: rank 0 yields them all). A
-        layer its sender holds whole comes as views of the live parameters (nothing is copied
-        before the consumer's own copy): copy what you keep."""
-        self.stats = SyncStats()
-        senders = [0] * len(self.layout) if one_sender else self.senders
-        sole = ([self.world == 1] * len(self.layout) if one_sender else self.sole)
+    def _roles(self, one_sender: bool) -> tuple[list[int], list[bool]]:
+        """Per group: its sender and whether nothing is reduced (`one_sender`: rank 0 sends
+        all; what it holds alone stays unreduced, the rest comes to it)."""
+        if not one_sender:
+            return self.senders, self.sole
+        return [0] * len(self.layout), [alone and sender == 0 for sender, alone
+                                        in zip(self.senders, self.sole, strict=True)]
+
+    def _plan(self, one_sender: bool) -> list[list[list] | None]:
+        """Per group: `_whole_units` where this rank sends it unreduced, else None."""
         # an offloaded actor's parameters are read from their host copies, which move; live
         # ones keep their storages (an optimizer step writes them in place), so the views
         # found once serve every later sync
@@ -209,10 +216,28 @@ class WeightGatherer:
         plan = self.whole.get(one_sender) if live else None
         if plan is None:
             plan = [self._whole_units(slots) if alone and sender == self.rank else None
-                    for (slots, _), sender, alone in zip(self.layout, senders, sole,
+                    for (slots, _), sender, alone in zip(self.layout, *self._roles(one_sender),
                                                          strict=True)]
             if live:
                 self.whole[one_sender] = plan
+        return plan
+
+    def reduces(self, one_sender: bool = False) -> bool:
+        """Whether this rank takes part in a reduction in `hf_tensors`: what a look-ahead
+        overlaps with the sends. Without one it yields views of the live parameters and
+        converts a few of them (a fused QKV's split): nothing worth producing ahead."""
+        return not all(self._roles(one_sender)[1])
+
+    @torch.no_grad()
+    def hf_tensors(self, dtype: torch.dtype | None = None, one_sender: bool = False
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank must exhaust this iterator (it runs the reductions); each layer's sender
+        yields its (HF name, full tensor) pairs (`one_sender`: rank 0 yields them all). A
+        layer its sender holds whole comes as views of the live parameters (nothing is copied
+        before the consumer's own copy): copy what you keep."""
+        self.stats = SyncStats()
+        senders, sole = self._roles(one_sender)
+        plan = self._plan(one_sender)
         self.stats.extra["reduced_layers"] = 0
         for (slots, total), units, sender, alone in zip(self.layout, plan, senders, sole,
                                                         strict=True):
@@ -221,7 +246,7 @@ class WeightGatherer:
             if units is not None:  # nothing to gather
                 t1 = time.perf_counter()
                 for (entry, index, parts), unit in zip(slots, units, strict=True):
-                    pairs = (unit if unit and isinstance(unit[0], tuple)
+                    pairs = (unit if _viewed(unit)
                              else self._converted(entry, index, parts, unit, t1))
                     for name, t in pairs:
                         yield name, self._counted(t, dtype)
@@ -267,6 +292,11 @@ class WeightGatherer:
         self.stats.tensors += 1
         self.stats.bytes += t.numel() * t.element_size()
         return t
+
+
+def _viewed(unit: list) -> bool:
+    """A `_whole_units` unit given as its HF (name, view) pairs, not as tensors to convert."""
+    return bool(unit) and isinstance(unit[0], tuple)
 
 
 @functools.cache
@@ -334,15 +364,17 @@ class WeightSyncer:
                  transport: str = "tensor", bucket_bytes: int = 512 << 20,
                  dtype: torch.dtype | None = None, disk_dir: str | None = None,
                  master_address: str = "127.0.0.1", timeout_s: float = 600.0,
-                 fp8: bool = False, one_copy: bool = True, overlap: bool = True,
-                 by_stage: bool = True):
+                 fp8: bool = False, one_copy: bool = True, look_ahead: int = 3,
+                 by_owner: bool = True):
         """`fp8`: send the projections as blockwise FP8 + `weight_scale_inv` (an engine that
         serves an FP8 checkpoint, docs/fp8.md); each weight and its scale share a bucket.
         `one_copy`: with the tensor transport, write straight into the parameters of engines
-        that share them on this machine (engines/shared_weights.py). `overlap=False`: gather
-        each bucket only after the previous one was sent (benchmarks/weight_sync.py's
-        reference for the look-ahead). `by_stage=False`: every layer is reduced onto rank 0,
-        which sends them all (the benchmark's reference for a sender per stage)."""
+        that share them on this machine (engines/shared_weights.py). `look_ahead`: buckets
+        gathered and converted ahead of the one being sent, where the gather reduces (0: each
+        only after the previous one was sent, benchmarks/weight_sync.py's reference; they
+        hold memory of their own where they were reduced). `by_owner=False`: every layer is
+        reduced onto rank 0, which sends them all (the benchmark's reference for a sender per
+        owner)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
         if not urls:
@@ -350,12 +382,12 @@ class WeightSyncer:
         self.gatherer, self.transport, self.bucket_bytes = gatherer, transport, bucket_bytes
         self.dtype, self.disk_dir, self.fp8 = dtype, disk_dir, fp8
         self.master_address, self.timeout_s = master_address, timeout_s
-        self.one_copy, self.overlap = one_copy, overlap
+        self.one_copy, self.look_ahead = one_copy, look_ahead
         self._writers: list[SharedWeightWriter] | None = None
         self.engines: list[HttpEngine] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         # the distributed transport's broadcast group has one source
-        self.one_sender = transport == "distributed" or not by_stage
+        self.one_sender = transport == "distributed" or not by_owner
         self.several = not self.one_sender and len(set(gatherer.senders)) > 1
         if self.several and transport == "disk" and disk_dir is None:
             self.disk_dir = _from_rank0(gatherer, tempfile.mkdtemp(prefix="weights-")
@@ -372,7 +404,7 @@ class WeightSyncer:
         t_start = time.perf_counter()
         tensors = self.gatherer.hf_tensors(self.dtype, self.one_sender)
         if self.several:
-            return self._sync_by_stage(tensors, weight_version, t_start)
+            return self._sync_by_owner(tensors, weight_version, t_start)
         if not self.gatherer.sends(self.one_sender):
             for _ in tensors:  # take part in the reductions
                 pass
@@ -399,8 +431,12 @@ class WeightSyncer:
         return self._timed(t_start, sent[0], ahead if not writers else None)
 
     def _ahead(self) -> _Ahead:
+        """The look-ahead where the gather reduces (TP, or one sender): with nothing to
+        reduce (one rank; PP or EP alone) the next bucket is made when it is wanted."""
+        reduces = getattr(self.gatherer, "reduces", None)
         # where the gather's collectives run (a gatherer without one: the host)
-        return _Ahead(getattr(self.gatherer, "device", torch.device("cpu")), self.overlap)
+        return _Ahead(getattr(self.gatherer, "device", torch.device("cpu")),
+                      self.look_ahead if reduces is None or reduces(self.one_sender) else 0)
 
     def _timed(self, t_start: float, sent: int, ahead: _Ahead | None) -> SyncStats:
         stats = self.gatherer.stats
@@ -412,9 +448,10 @@ class WeightSyncer:
             stats.transfer_s, stats.wall_s = ahead.caller_s, wall
         return stats
 
-    def _sync_by_stage(self, tensors: Iterator, version: int, t_start: float) -> SyncStats:
-        """Several senders (one per pipeline stage): rank 0 opens the update, every sender
-        writes its own layers, and after a barrier rank 0 alone moves the version."""
+    def _sync_by_owner(self, tensors: Iterator, version: int, t_start: float) -> SyncStats:
+        """Several senders (each pipeline stage, each expert-parallel rank): rank 0 opens the
+        update, every sender writes what it holds, and after a barrier rank 0 alone moves the
+        version."""
         g, loop = self.gatherer, self.loop
         sender = g.sends()
         writers = self._shared_writers() if sender and self.transport == "tensor" else None
@@ -442,7 +479,7 @@ class WeightSyncer:
             loop.run_until_complete(_push_disk(
                 self.engines, ahead(split_buckets(tensors, self.bucket_bytes)), version,
                 self.disk_dir, _counted(sent, self.fp8), part=f"rank{g.rank:05d}-"))
-        dist.barrier(group=g.group)  # every stage's layers are in
+        dist.barrier(group=g.group)  # every sender's tensors are in
         if g.rank == 0:
             if shared:
                 loop.run_until_complete(
@@ -566,13 +603,15 @@ def _gather_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class _Ahead:
-    """Iterates items one ahead: item k+1 is produced in a worker thread (the gather's
-    reductions and the HF conversion of the next bucket) while the caller sends item k. One
-    `next` at a time, so the producer's order and its collectives are unchanged.
-    `caller_s`: the time the caller held items (sending them). `look_ahead=False`: item k+1
-    is produced (in the same thread) only after the caller is done with item k."""
+    """Iterates items `look_ahead` ahead: while the caller sends item k, a worker thread
+    produces items k+1 .. k+look_ahead (the gather's reductions and the HF conversion of the
+    next buckets). Reductions come in lumps (a vocabulary matrix, then layers whose experts
+    need none), so one item ahead leaves the sends waiting. One `next` at a time (one worker
+    thread), so the producer's order and its collectives are unchanged. `caller_s`: the time
+    the caller held items (sending them). `look_ahead=0`: item k+1 is produced only after
+    the caller is done with item k."""
 
-    def __init__(self, device: torch.device, look_ahead: bool = True):
+    def __init__(self, device: torch.device, look_ahead: int = 1):
         self.device, self.look_ahead, self.caller_s = device, look_ahead, 0.0
 
     def _pull(self, items: Iterator) -> Any:
@@ -583,22 +622,21 @@ class _Ahead:
     async def __call__(self, items: Iterator) -> AsyncIterator:
         loop = asyncio.get_running_loop()
 
-        def pull() -> asyncio.Future:
+        def pull() -> asyncio.Future:  # queued behind the earlier pulls on the one thread
             return loop.run_in_executor(_gather_thread(), self._pull, items)
 
-        pending = pull()
+        pending = collections.deque(pull() for _ in range(max(1, self.look_ahead)))
         try:
-            while (item := await pending) is not _END:
+            while (item := await pending.popleft()) is not _END:
                 if self.look_ahead:
-                    pending = pull()
+                    pending.append(pull())
                 t0 = time.perf_counter()
                 yield item
                 self.caller_s += time.perf_counter() - t0
                 if not self.look_ahead:
-                    pending = pull()
-        finally:  # the caller stopped early: let the thread's `next` finish first
-            if not pending.done():
-                await asyncio.gather(pending, return_exceptions=True)
+                    pending.append(pull())
+        finally:  # the caller stopped early: let the thread's pulls finish first
+            await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def _push_tensors(engines: list[HttpEngine], buckets: AsyncIterator, version: int,
