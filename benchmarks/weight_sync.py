@@ -4,9 +4,10 @@ One process is the trainer (Megatron, world size 1, the local spec); the engine 
 server, run as its own process. Each transport syncs every weight (HF names, fp32) and is timed
 end to end; the same bytes are memcpy'd in one warm buffer for the reference (best of 10). Each
 transport syncs 1 + `--repeats` times (one-copy, as fast as memcpy, 1 + 10): the first allocates
-(cold pages); the best of the others is what every later RL step pays. Prints bytes/s and the ratio to memcpy, plus the time split:
-gather (shards → canonical tensors) / convert (HF layout) / transfer (serialise, send, engine
-load; for one-copy: the writes into the engine's parameters and the begin/commit flip).
+(cold pages); the best of the others is what every later RL step pays. Prints bytes/s and the
+ratio to memcpy, plus the time split: gather (shards → canonical tensors) / convert (HF layout)
+/ transfer (serialise, send, engine load; for one-copy: the writes into the engine's parameters
+and the begin/commit flip).
 
     python benchmarks/weight_sync.py [--layers 6 --hidden 512 --experts 16 --bucket-mb 512]
         [--two-ranks ep2,pp2,tp2]

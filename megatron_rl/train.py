@@ -73,10 +73,19 @@ def _timed(times: dict[str, float], key: str, call: Any, *args: Any) -> Any:
     def run() -> dict[str, Any]:
         t = time.perf_counter()
         try:
-            return call(*args)[0]
+            return _slowest(call(*args))
         finally:
             times[key] = time.perf_counter() - t
     return run
+
+
+def _slowest(per_rank: list[Any]) -> Any:
+    """Rank 0's metrics with each `time/` entry the slowest rank's: the step waits for it (DP
+    ranks train on different token counts)."""
+    first = per_rank[0]
+    if not isinstance(first, dict):
+        return first
+    return {**first, **{k: max(r[k] for r in per_rank) for k in first if k.startswith("time/")}}
 
 
 async def _collect(scheduler: RolloutScheduler, step: int, engines: Engines

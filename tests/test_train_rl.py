@@ -61,6 +61,17 @@ def test_rl_loop_runs_and_records_everything(nproc, tmp_path):
     assert (tmp_path / "ckpt" / "step_000002").is_dir()
 
 
+def test_a_steps_times_are_its_slowest_ranks():
+    """The driver reports rank 0's update metrics, but a `time/` entry is the slowest rank's:
+    the step waits for it (rank 1's longer backward is not framework overhead)."""
+    from megatron_rl.train import _slowest
+
+    ranks = [{"loss": 1.0, "time/forward_backward": 0.2},
+             {"loss": 2.0, "time/forward_backward": 0.3}]
+    assert _slowest(ranks) == {"loss": 1.0, "time/forward_backward": 0.3}
+    assert _slowest([None, None]) is None
+
+
 def test_the_trainer_scores_tokens_at_the_sampling_temperature(tmp_path):
     """At rl.temperature 0.5 the engine samples softmax(logits / 0.5); the trainer's log-probs
     of those tokens (old log-probs, ratio, entropy) must be of the same distribution, so the
