@@ -206,22 +206,6 @@ class WeightGatherer:
         return [0] * len(self.layout), [alone and sender == 0 for sender, alone
                                         in zip(self.senders, self.sole, strict=True)]
 
-    def _plan(self, one_sender: bool) -> list[list[list] | None]:
-        """Per group: `_whole_units` where this rank sends it unreduced, else None."""
-        # an offloaded actor's parameters are read from their host copies, which move; live
-        # ones keep their storages (an optimizer step writes them in place), so the views
-        # found once serve every later sync
-        live = all(self.resolve(data) is data for chunks in self.local.values()
-                   for data, _, _ in chunks)
-        plan = self.whole.get(one_sender) if live else None
-        if plan is None:
-            plan = [self._whole_units(slots) if alone and sender == self.rank else None
-                    for (slots, _), sender, alone in zip(self.layout, *self._roles(one_sender),
-                                                         strict=True)]
-            if live:
-                self.whole[one_sender] = plan
-        return plan
-
     def reduces(self, one_sender: bool = False) -> bool:
         """Whether this rank takes part in a reduction in `hf_tensors`: what a look-ahead
         overlaps with the sends. Without one it yields views of the live parameters and
@@ -237,7 +221,18 @@ class WeightGatherer:
         before the consumer's own copy): copy what you keep."""
         self.stats = SyncStats()
         senders, sole = self._roles(one_sender)
-        plan = self._plan(one_sender)
+        # an offloaded actor's parameters are read from their host copies, which move; live
+        # ones keep their storages (an optimizer step writes them in place), so the views
+        # found once serve every later sync
+        live = all(self.resolve(data) is data for chunks in self.local.values()
+                   for data, _, _ in chunks)
+        plan = self.whole.get(one_sender) if live else None
+        if plan is None:
+            plan = [self._whole_units(slots) if alone and sender == self.rank else None
+                    for (slots, _), sender, alone in zip(self.layout, senders, sole,
+                                                         strict=True)]
+            if live:
+                self.whole[one_sender] = plan
         self.stats.extra["reduced_layers"] = 0
         for (slots, total), units, sender, alone in zip(self.layout, plan, senders, sole,
                                                         strict=True):
@@ -246,7 +241,7 @@ class WeightGatherer:
             if units is not None:  # nothing to gather
                 t1 = time.perf_counter()
                 for (entry, index, parts), unit in zip(slots, units, strict=True):
-                    pairs = (unit if _viewed(unit)
+                    pairs = (unit if unit and isinstance(unit[0], tuple)
                              else self._converted(entry, index, parts, unit, t1))
                     for name, t in pairs:
                         yield name, self._counted(t, dtype)
@@ -292,11 +287,6 @@ class WeightGatherer:
         self.stats.tensors += 1
         self.stats.bytes += t.numel() * t.element_size()
         return t
-
-
-def _viewed(unit: list) -> bool:
-    """A `_whole_units` unit given as its HF (name, view) pairs, not as tensors to convert."""
-    return bool(unit) and isinstance(unit[0], tuple)
 
 
 @functools.cache
