@@ -18,6 +18,27 @@ def test_results_in_rank_order(pool2):
     assert pool2.run(dist_cases.rank_of_failure, -1) == [0, 1]
 
 
+def _checksum(tensors: dict) -> dict:
+    return {k: (t.dtype, tuple(t.shape), float(t.double().sum())) for k, t in tensors.items()}
+
+
+def test_small_jobs_are_pickled_once_inline_and_large_tensors_still_arrive(pool2):
+    """A job up to INLINE_BYTES goes to every rank as one inline pickle (an RL step's batch);
+    a larger one as before, its tensors through shared memory. Both arrive bit for bit."""
+    import torch
+
+    from megatron_rl.distributed import worker_pool
+
+    gen = torch.Generator().manual_seed(0)
+    small = {"ids": torch.randint(0, 640, (8, 600), generator=gen),
+             "logp": torch.randn(8, 600, generator=gen), "bf16": torch.randn(5).bfloat16()}
+    large = {"w": torch.randn(3 << 20, generator=gen)}  # 12 MB
+    assert worker_pool._inline((_checksum, (small,), {})) is not None
+    assert worker_pool._inline((_checksum, (large,), {})) is None
+    for job in (small, large):
+        assert pool2.run(_checksum, job) == [_checksum(job)] * 2
+
+
 def test_failure_on_one_rank_names_it_and_pool_survives(pool2):
     with pytest.raises(WorkerError) as info:
         pool2.run(dist_cases.rank_of_failure, 1)

@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 import traceback
@@ -62,6 +63,21 @@ def _worker_main(rank: int, world: int, port: int, threads: int, conn, env: dict
             conn.send(("error", traceback.format_exc()))
 
 
+INLINE_BYTES = 8 << 20
+
+
+def _inline(job: tuple) -> bytes | None:
+    """The job pickled once with its tensors' bytes inline, for every rank; None when that is
+    larger than INLINE_BYTES or cannot be done. `Connection.send` would move each tensor into
+    a shared-memory segment of its own, per rank: an RL step's 300 kB batch took 3-14 ms a
+    rank that way, ~1 ms inline for both. Large tensors still go through shared memory."""
+    try:
+        payload = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # something only the multiprocessing pickler reduces
+        return None
+    return payload if len(payload) <= INLINE_BYTES else None
+
+
 class WorkerPool:
     def __init__(self, world_size: int, threads_per_rank: int | None = None,
                  env: dict[str, str] | None = None, start_timeout: float = 300.0):
@@ -87,8 +103,13 @@ class WorkerPool:
         """Run `fn(*args, **kwargs)` on every rank; return the results in rank order."""
         if not self.alive:
             raise WorkerError("worker pool is closed or a rank died")
+        job = (fn, args, kwargs)
+        payload = _inline(job)
         for conn in self._conns:
-            conn.send((fn, args, kwargs))
+            if payload is not None:
+                conn.send_bytes(payload)  # `recv` on the rank unpickles it as it would `send`'s
+            else:
+                conn.send(job)
         return self._collect(getattr(fn, "__name__", str(fn)), timeout)
 
     def _collect(self, what: str, timeout: float, grace: float = 15.0) -> list[Any]:
