@@ -35,7 +35,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "microbatching": ["--openings", "176", "--roles", "2", "--median", "120", "--seq", "512",
                       "--rows", "48", "--micro", "4"],
     "partial_rollout": [],
-    "step_overhead": ["--steps", "4"],
+    "step_overhead": ["--steps", "8"],
     "conversion": [],
     "search_latency": ["--sizes", "10000,100000,1000000", "--queries", "1000"],
     "degeneracy": [],
