@@ -123,13 +123,13 @@ def main() -> None:
     add_size_args(p, layers=6, hidden=512, experts=16)
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3, help="steady syncs per transport (best)")
-    p.add_argument("--transports", default="one-copy,tensor,tensor-serial,distributed,disk",
+    p.add_argument("--transports", default="one-copy,tensor,distributed,disk",
                    help="one-copy: the tensor transport writing into the engine's shared "
                         "parameters; tensor: the same transport with shm buckets; a "
-                        "'-serial' suffix: without the look-ahead (bucket k+1 gathered only "
-                        "after bucket k was sent)")
+                        "'-serial' suffix: without a look-ahead (at one rank nothing is "
+                        "reduced, so the syncer uses none anyway: the same path)")
     p.add_argument("--two-ranks", default="", help="layouts to sync from 2 ranks too, e.g. "
-                   "ep2,pp2")
+                   "ep2,pp2,tp2")
     a = p.parse_args()
 
     from megatron_rl.checkpoint.convert import export_hf
