@@ -365,6 +365,10 @@ class RolloutConfig:
                                          "may take to reach the rendezvous before the run "
                                          "fails, naming the rank")
     bucket_mb: int = bounded(512, ge=1, help="weight-update bucket size")
+    sync_look_ahead: int = bounded(
+        3, ge=0, le=16, help="weight sync: buckets gathered ahead of the one being sent where "
+        "the gather reduces (TP); each holds up to bucket_mb of memory of its own on the "
+        "trainer's device; 0 = none (trainer/weight_sync.py)")
     sync_fp8: bool = bounded(False, help="weight sync sends the projections as blockwise FP8 "
                              "+ weight_scale_inv, for engines serving an FP8 checkpoint "
                              "(docs/fp8.md)")

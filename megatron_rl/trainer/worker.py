@@ -85,7 +85,8 @@ class TrainerWorker:
         self.syncer = WeightSyncer(gatherer_for(self.actor), urls,
                                    transport=self.cfg.rl.sync_transport,
                                    bucket_bytes=self.cfg.rollout.bucket_mb << 20,
-                                   fp8=self.cfg.rollout.sync_fp8)
+                                   fp8=self.cfg.rollout.sync_fp8,
+                                   look_ahead=self.cfg.rollout.sync_look_ahead)
 
     def sync(self, version: int) -> dict[str, float]:
         if self.syncer is None:
