@@ -85,7 +85,9 @@ def _slowest(per_rank: list[Any]) -> Any:
     first = per_rank[0]
     if not isinstance(first, dict):
         return first
-    return {**first, **{k: max(r[k] for r in per_rank) for k in first if k.startswith("time/")}}
+    rows = [r for r in per_rank if isinstance(r, dict)]
+    return {**first, **{k: max(r.get(k, v) for r in rows) for k, v in first.items()
+                        if k.startswith("time/")}}
 
 
 async def _collect(scheduler: RolloutScheduler, step: int, engines: Engines

@@ -70,6 +70,7 @@ def test_a_steps_times_are_its_slowest_ranks():
              {"loss": 2.0, "time/forward_backward": 0.3}]
     assert _slowest(ranks) == {"loss": 1.0, "time/forward_backward": 0.3}
     assert _slowest([None, None]) is None
+    assert _slowest([{"time/train": 0.5}, {}]) == {"time/train": 0.5}  # a rank without it
 
 
 def test_the_trainer_scores_tokens_at_the_sampling_temperature(tmp_path):
