@@ -21,8 +21,8 @@ With several senders rank 0 opens the update (the shared-memory pause), all send
 after a barrier rank 0 alone moves the version (or loads the folder): no engine reports the new
 version while a sender's layers are still old. `distributed` sends everything from rank 0 (its
 broadcast group has one source).
-On these three the next bucket is gathered and converted in a worker thread while the current
-one is sent (`_Ahead`).
+On these three, where the gather reduces, the next buckets (`look_ahead`, 3) are gathered and
+converted in a worker thread while the current one is sent (`_Ahead`).
 """
 
 from __future__ import annotations
