@@ -2,9 +2,10 @@
 
 One process is the trainer (Megatron, world size 1, the local spec); the engine is the embedded
 server, run as its own process. Each transport syncs every weight (HF names, fp32) and is timed
-end to end; the same bytes are memcpy'd in one warm buffer for the reference (best of 10). Each
+end to end; the same bytes are memcpy'd in one buffer for the reference. Each
 transport syncs 1 + `--repeats` times (one-copy, as fast as memcpy, 1 + 10): the first allocates
-(cold pages); the best of the others is what every later RL step pays. Prints bytes/s and the
+(cold pages); the best of the others is what every later RL step pays. A memcpy follows
+each sync (best of all, `Memcpy`). Prints bytes/s and the
 ratio to memcpy, plus the time split: gather (shards → canonical tensors) / convert (HF layout)
 / transfer (serialise, send, engine load; for one-copy: the writes into the engine's parameters
 and the begin/commit flip).
@@ -41,15 +42,29 @@ from results import emit
 MEMCPY_REPEATS = 10
 
 
-def _memcpy_bytes_per_s(nbytes: int, repeats: int = MEMCPY_REPEATS) -> float:
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
+class Memcpy:
+    """The reference: the same bytes copied within one buffer pair, timed right after each
+    sync and best of all. Interleaved, because a shared host's copy speed moves over a run,
+    and freshly allocated buffers copy slower for a while than ones in use (measured here:
+    26 ms, then 19 ms, for the same 449 MB)."""
+
+    def __init__(self) -> None:
+        self.nbytes, self.best = 0, float("inf")
+
+    def time(self, nbytes: int) -> None:
+        if nbytes != self.nbytes:
+            self.src = torch.ones(nbytes // 4)
+            self.dst = torch.empty_like(self.src)
+            self.dst.copy_(self.src)  # first touch
+            self.nbytes, self.best = nbytes, float("inf")
         t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+        self.dst.copy_(self.src)
+        self.best = min(self.best, time.perf_counter() - t0)
+
+    def bytes_per_s(self, nbytes: int) -> float:
+        for _ in range(MEMCPY_REPEATS):  # a run with few syncs still takes the best of 10
+            self.time(nbytes)
+        return nbytes / self.best
 
 
 def _serial(transport: str) -> dict[str, int]:
@@ -155,7 +170,7 @@ def main() -> None:
         try:
             url = next(line for line in server.stdout if "http://" in line).split()[-1]
             gatherer = gatherer_for(actor)
-            rows = []
+            rows, memcpy = [], Memcpy()
             version = 0
             for transport in a.transports.split(","):
                 one_copy = transport == "one-copy"
@@ -174,6 +189,7 @@ def main() -> None:
                         t0 = time.perf_counter()
                         stats = syncer.sync(version)
                         timed.append((time.perf_counter() - t0, stats))
+                        memcpy.time(stats.bytes)
                     rows.append((f"{transport} (first)", *timed[0]))
                     rows.append((f"{transport} (steady)", *min(timed[1:], key=lambda r: r[0])))
             if a.two_ranks:
@@ -182,7 +198,7 @@ def main() -> None:
             server.terminate()
             server.wait()
         nbytes = rows[0][2].bytes
-        memcpy = _memcpy_bytes_per_s(nbytes, repeats=max(MEMCPY_REPEATS, a.repeats))
+        memcpy = memcpy.bytes_per_s(nbytes)
     print(f"model: {a.layers} layers, hidden {a.hidden}, {a.experts} experts; "
           f"{nbytes / 1e6:.0f} MB of weights ({rows[0][2].tensors} HF tensors); "
           f"bucket {a.bucket_mb} MB; memcpy {memcpy / 1e9:.2f} GB/s")

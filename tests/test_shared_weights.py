@@ -19,12 +19,14 @@ import threading
 import pytest
 import torch
 
+from megatron_rl.checkpoint.weight_map import WeightMap
 from megatron_rl.engines.base import GenerateRequest
 from megatron_rl.engines.embedded import EmbeddedServer
 from megatron_rl.engines.http_client import HttpEngine
 from megatron_rl.engines.process_memory import map_process_memory
 from megatron_rl.engines.shared_weights import LAYOUT_FORMAT, SharedWeightWriter
-from megatron_rl.trainer.weight_sync import SyncStats, WeightSyncer
+from megatron_rl.models.registry import get_model_spec
+from megatron_rl.trainer.weight_sync import SyncStats, WeightSyncer, _viewed_as
 from tests.test_engine_embedded import (
     PROMPTS,
     TOL,
@@ -49,7 +51,7 @@ class HFGatherer:
     def sends(self, one_sender: bool = False) -> bool:
         return True
 
-    def hf_tensors(self, dtype=None, one_sender: bool = False):
+    def hf_tensors(self, dtype=None, one_sender: bool = False, grouped: bool = False):
         self.stats = SyncStats()
         for name, t in self.named:
             self.stats.tensors += 1
@@ -90,6 +92,25 @@ def test_one_copy_sync_writes_the_engines_parameters_in_place(models, tmp_path) 
     assert out.weight_versions == [3] * 12
     assert out.output_ids == hf_greedy(new, PROMPTS[0], 12)
     assert max_diff(out.output_logprobs, full_logprobs(new, PROMPTS[0], out.output_ids)) < TOL
+
+
+def test_a_split_qkv_is_written_from_views_of_the_fused_tensor() -> None:
+    """With several query groups HF's q, k and v are copies of Megatron's fused QKV; grouped,
+    they stay views and are written through the engine's parameter viewed alike."""
+    wmap = WeightMap(get_model_spec("tiny-moe"))  # 2 query groups
+    entry, index = next((e, i) for e, i in wmap.units() if e.kind == "qkv")
+    fused = torch.randn(wmap.megatron_shapes(entry, index)[0])
+    hf = wmap.to_hf(entry, index, [fused])
+    grouped = wmap.to_hf(entry, index, [fused], grouped=True)
+    assert list(grouped) == list(hf) and len(hf) == 3
+    ptr = fused.untyped_storage().data_ptr()
+    assert hf[next(iter(hf))].untyped_storage().data_ptr() != ptr  # HF's q: a copy
+    for name, t in grouped.items():
+        assert t.untyped_storage().data_ptr() == ptr and t.dim() == 3
+        dst = torch.zeros(hf[name].shape)
+        _viewed_as(dst, t).copy_(t)
+        assert torch.equal(dst, hf[name])
+        assert _viewed_as(torch.zeros(hf[name].shape[0] + 1, hf[name].shape[1]), t) is None
 
 
 def test_no_token_decodes_with_half_written_weights(models, tmp_path) -> None:

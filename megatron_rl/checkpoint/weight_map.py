@@ -322,9 +322,12 @@ class WeightMap:
                       qg[:, :, 1].reshape(groups, per_group * d, hidden), k, v]
         return [torch.cat(blocks, dim=1).reshape(-1, hidden)]
 
-    def to_hf(self, entry: Entry, index: tuple[int, ...],
-              tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF tensors of `entry` at `index` from its Megatron tensors (one per key)."""
+    def to_hf(self, entry: Entry, index: tuple[int, ...], tensors: list[torch.Tensor],
+              grouped: bool = False) -> dict[str, torch.Tensor]:
+        """HF tensors of `entry` at `index` from its Megatron tensors (one per key).
+        `grouped`: a split QKV's q, k and v may keep Megatron's query groups as a leading
+        dimension ([groups, rows, hidden]: the HF tensor's elements in the same order), so
+        they stay views of the input; with several groups the HF shape needs a copy."""
         names = entry.hf_names(*index)
         tensor = tensors[0]
         if entry.kind == "copy":
@@ -346,6 +349,8 @@ class WeightMap:
                              gate.reshape(groups, per_group, d, hidden)], dim=2)
         else:
             q, k, v = qkv.split([per_group * d, d, d], dim=1)
+            if grouped:
+                return {names[0]: q, names[1]: k, names[2]: v}
         return {names[0]: q.reshape(-1, hidden), names[1]: k.reshape(-1, hidden),
                 names[2]: v.reshape(-1, hidden)}
 

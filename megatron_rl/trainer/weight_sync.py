@@ -129,7 +129,7 @@ class WeightGatherer:
         from megatron.core.dist_checkpointing.mapping import is_main_replica
 
         # per layer: its units' live views (see hf_tensors), by `one_sender`
-        self.whole: dict[bool, list] = {}
+        self.whole: dict[tuple[bool, bool], list] = {}
         self.local: dict[tuple[str, tuple[int, ...]], list[tuple[torch.Tensor, tuple, tuple]]] = {}
         for module in self.modules:
             for sh in _sharded_tensors(module):
@@ -180,7 +180,7 @@ class WeightGatherer:
     def _shape(self, key: str, shape: torch.Size) -> tuple[int, ...]:
         return (self.padded_vocab, *shape[1:]) if key in VOCAB_KEYS else tuple(shape)
 
-    def _whole_units(self, slots: list) -> list[list] | None:
+    def _whole_units(self, slots: list, grouped: bool) -> list[list] | None:
         """One layer's units when this rank holds every one whole (one rank, nothing to
         reduce): each unit's HF (name, view) pairs, or its live Megatron tensors when its HF
         form must be computed anew. No copy. None otherwise."""
@@ -192,7 +192,8 @@ class WeightGatherer:
                 return None
             # HF tensors that are views of the parameters are kept as they are; a unit whose
             # HF form is a copy (a reshape that cannot view) is converted on every sync
-            pairs = list(self._converted(entry, index, parts, views, time.perf_counter()))
+            pairs = list(self._converted(entry, index, parts, views, time.perf_counter(),
+                                         grouped))
             inputs = {v.untyped_storage().data_ptr() for v in views}
             viewed = all(t.untyped_storage().data_ptr() in inputs for _, t in pairs)
             units.append(pairs if viewed else views)
@@ -212,13 +213,13 @@ class WeightGatherer:
         converts a few of them (a fused QKV's split): nothing worth producing ahead."""
         return not all(self._roles(one_sender)[1])
 
-    @torch.no_grad()
-    def hf_tensors(self, dtype: torch.dtype | None = None, one_sender: bool = False
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_tensors(self, dtype: torch.dtype | None = None, one_sender: bool = False,
+                   grouped: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Every rank must exhaust this iterator (it runs the reductions); each layer's sender
         yields its (HF name, full tensor) pairs (`one_sender`: rank 0 yields them all). A
         layer its sender holds whole comes as views of the live parameters (nothing is copied
-        before the consumer's own copy): copy what you keep."""
+        before the consumer's own copy): copy what you keep. `grouped`: a split QKV may come
+        as [groups, rows, hidden] views (`WeightMap.to_hf`), not copied into HF's shape."""
         self.stats = SyncStats()
         senders, sole = self._roles(one_sender)
         # an offloaded actor's parameters are read from their host copies, which move; live
@@ -226,13 +227,13 @@ class WeightGatherer:
         # found once serve every later sync
         live = all(self.resolve(data) is data for chunks in self.local.values()
                    for data, _, _ in chunks)
-        plan = self.whole.get(one_sender) if live else None
+        plan = self.whole.get((one_sender, grouped)) if live else None
         if plan is None:
-            plan = [self._whole_units(slots) if alone and sender == self.rank else None
+            plan = [self._whole_units(slots, grouped) if alone and sender == self.rank else None
                     for (slots, _), sender, alone in zip(self.layout, senders, sole,
                                                          strict=True)]
             if live:
-                self.whole[one_sender] = plan
+                self.whole[one_sender, grouped] = plan
         self.stats.extra["reduced_layers"] = 0
         for (slots, total), units, sender, alone in zip(self.layout, plan, senders, sole,
                                                         strict=True):
@@ -242,7 +243,7 @@ class WeightGatherer:
                 t1 = time.perf_counter()
                 for (entry, index, parts), unit in zip(slots, units, strict=True):
                     pairs = (unit if unit and isinstance(unit[0], tuple)
-                             else self._converted(entry, index, parts, unit, t1))
+                             else self._converted(entry, index, parts, unit, t1, grouped))
                     for name, t in pairs:
                         yield name, self._counted(t, dtype)
                     t1 = time.perf_counter()
@@ -256,7 +257,7 @@ class WeightGatherer:
                         region = tuple(slice(o, o + n) for o, n in zip(offsets, sizes,
                                                                       strict=True))
                         # an offloaded actor's parameter: the same view of its host copy
-                        full[region].copy_(self.resolve(data))
+                        full[region].copy_(self.resolve(data).detach())
             if not alone:
                 dist.reduce(flat, group_dst=sender, op=dist.ReduceOp.SUM, group=self.group)
                 self.stats.extra["reduced_layers"] += 1
@@ -267,20 +268,28 @@ class WeightGatherer:
             for entry, index, parts in slots:
                 tensors = [flat[offset:offset + torch.Size(shape).numel()].view(shape)
                            for _, offset, shape in parts]
-                for name, t in self._converted(entry, index, parts, tensors, t1):
+                for name, t in self._converted(entry, index, parts, tensors, t1, grouped):
                     yield name, self._counted(t, dtype)
                 t1 = time.perf_counter()
 
     def _converted(self, entry: Entry, index: tuple[int, ...], parts: list,
-                   tensors: list[torch.Tensor], t1: float) -> Iterator[tuple[str, torch.Tensor]]:
+                   tensors: list[torch.Tensor], t1: float, grouped: bool = False
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
         """One unit's Megatron tensors → HF (name, tensor) pairs, timing the conversion (the
         time the consumer spends between two pairs is not ours)."""
         tensors = [t[: self.spec.vocab_size] if key in VOCAB_KEYS else t
                    for (key, _, _), t in zip(parts, tensors, strict=True)]
-        for name, t in self.wmap.to_hf(entry, index, tensors).items():
+        for name, t in self.wmap.to_hf(entry, index, tensors, grouped).items():
             self.stats.convert_s += time.perf_counter() - t1
             yield name, t
             t1 = time.perf_counter()
+
+    def hf_shaped(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t`, `name`'s tensor from `hf_tensors(grouped=True)`, in its HF shape."""
+        if not hasattr(self, "_hf_shapes"):
+            self._hf_shapes = self.wmap.hf_shapes()
+        shape = self._hf_shapes.get(name)
+        return t.reshape(shape) if shape is not None and len(shape) != t.dim() else t
 
     def _counted(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         t = t.to(dtype) if dtype is not None else t
@@ -314,6 +323,16 @@ def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         list(_copy_pool(n).map(lambda share: [d.copy_(s) for d, s in share], shares))
     finally:
         torch.set_num_threads(n)
+
+
+def _viewed_as(dst: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor | None:
+    """`dst` (an engine's HF-shaped parameter) in `t`'s shape when t is its value: the same
+    shape, or grouped ([groups, rows, cols] for [groups * rows, cols], `WeightMap.to_hf`)."""
+    if dst is None or dst.shape == t.shape:
+        return dst
+    if t.dim() == dst.dim() + 1 and (t.shape[0] * t.shape[1], *t.shape[2:]) == dst.shape:
+        return dst.view(t.shape)
+    return None
 
 
 def _one_view(chunks: Sequence[tuple[torch.Tensor, tuple, tuple]], shape: tuple[int, ...],
@@ -392,16 +411,17 @@ class WeightSyncer:
         """Collective: push the current weights with `weight_version`. Returns this rank's
         time split (rank 0's is the one reported; a rank that sends nothing: its gather)."""
         t_start = time.perf_counter()
-        tensors = self.gatherer.hf_tensors(self.dtype, self.one_sender)
         if self.several:
-            return self._sync_by_owner(tensors, weight_version, t_start)
+            return self._sync_by_owner(weight_version, t_start)
         if not self.gatherer.sends(self.one_sender):
-            for _ in tensors:  # take part in the reductions
-                pass
+            for _ in self.gatherer.hf_tensors(self.dtype, self.one_sender):
+                pass  # take part in the reductions
             return self.gatherer.stats
         sent = [0]
         quantize = _counted(sent, self.fp8)
         writers = self._shared_writers() if self.transport == "tensor" else None
+        # written into the engines' parameters: a split QKV as views, viewed there alike
+        tensors = self.gatherer.hf_tensors(self.dtype, self.one_sender, grouped=bool(writers))
         ahead = self._ahead()
         if writers:
             self.loop.run_until_complete(self._write_shared(writers, tensors, weight_version))
@@ -438,7 +458,7 @@ class WeightSyncer:
             stats.transfer_s, stats.wall_s = ahead.caller_s, wall
         return stats
 
-    def _sync_by_owner(self, tensors: Iterator, version: int, t_start: float) -> SyncStats:
+    def _sync_by_owner(self, version: int, t_start: float) -> SyncStats:
         """Several senders (each pipeline stage, each expert-parallel rank): rank 0 opens the
         update, every sender writes what it holds, and after a barrier rank 0 alone moves the
         version."""
@@ -446,6 +466,7 @@ class WeightSyncer:
         sender = g.sends()
         writers = self._shared_writers() if sender and self.transport == "tensor" else None
         shared = self.transport == "tensor" and _all_ranks(g, not sender or bool(writers))
+        tensors = g.hf_tensors(self.dtype, self.one_sender, grouped=shared)
         segments = None
         if shared and g.rank == 0:
             segments = loop.run_until_complete(
@@ -512,21 +533,20 @@ class WeightSyncer:
         version. Names an engine does not share (scattered elements) go by its tensor route
         inside the same window. `segments`: the window is already open (rank 0 opened it);
         `version` None: another rank commits it."""
-        if segments is None:
-            segments = await asyncio.gather(*(e.begin_shared_write() for e in self.engines))
+        begun = None
+        if segments is None:  # the engines hold their steps while the tensors are walked
+            begun = asyncio.ensure_future(
+                asyncio.gather(*(e.begin_shared_write() for e in self.engines)))
+            await asyncio.sleep(0)  # the requests leave before the walk holds the loop
+        named = list(tensors)
+        copies, rest = self._targets(writers, named)
+        if begun is not None:
+            segments = await begun
         if any(s != w.name for s, w in zip(segments, writers, strict=True)):
             writers = self._writers = await self._map_segments()  # an engine restarted
             if not writers:
                 raise RuntimeError("an engine stopped sharing its weights mid-run")
-        rest: list[Bucket] = [[] for _ in self.engines]
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, t in tensors:
-            for w, left in zip(writers, rest, strict=True):
-                dst = w.target(name)
-                if dst is not None and dst.shape == t.shape:
-                    copies.append((dst, t))
-                else:  # t may be a view of a live parameter: the bucket keeps a copy
-                    left.append((name, t.clone()))
+            copies, rest = self._targets(writers, named)
         t1 = time.perf_counter()
         _copy_all(copies)
         write_s = time.perf_counter() - t1
@@ -538,6 +558,21 @@ class WeightSyncer:
         self.gatherer.stats.extra.update(
             write_s=write_s, flip_s=time.perf_counter() - t2,
             unshared=sum(len(left) for left in rest))
+
+    def _targets(self, writers: list[SharedWeightWriter], named: list[tuple[str, torch.Tensor]]
+                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[Bucket]]:
+        """(engine parameter, tensor) pairs to copy, and per engine the (name, tensor) pairs
+        it does not share, in their HF shapes."""
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        rest: list[Bucket] = [[] for _ in writers]
+        for name, t in named:
+            for w, left in zip(writers, rest, strict=True):
+                dst = _viewed_as(w.target(name), t)
+                if dst is not None:
+                    copies.append((dst, t))
+                else:  # t may be a view of a live parameter: the bucket keeps a copy
+                    left.append((name, self.gatherer.hf_shaped(name, t).clone()))
+        return copies, rest
 
     def close(self) -> None:
         self._close_writers()
