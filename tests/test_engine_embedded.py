@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from megatron_rl.engines import embedded_core
 from megatron_rl.engines.base import EngineError, GenerateRequest, SamplingParams
-from megatron_rl.engines.embedded import EmbeddedServer
+from megatron_rl.engines.embedded import EmbeddedServer, InProcessEngine
 from megatron_rl.engines.embedded_core import (
     EmbeddedCore,
     FusedRMSNorm,
@@ -294,6 +294,37 @@ def test_a_cancelled_client_call_aborts_its_request_on_the_server(server, long_r
 
     running, again = run(scenario())
     assert "cut" not in running
+    assert again.output_ids == long_ref[2][:8]
+
+
+def test_the_in_process_client_answers_as_http_does(server, long_ref) -> None:
+    """The driver's client of its own embedded engine skips HTTP for generate: the same
+    results, the same errors (EngineError with the route's status and the field), and a
+    cancelled call's rid is free when the cancel returns."""
+    reqs = [GenerateRequest(f"ip{i}", p, greedy(12)) for i, p in enumerate(PROMPTS)]
+
+    async def scenario() -> tuple:
+        async with InProcessEngine(server) as here, HttpEngine(server.url) as http:
+            local = await asyncio.gather(*(here.generate(r) for r in reqs))
+            remote = await asyncio.gather(*(http.generate(r) for r in reqs))
+            with pytest.raises(EngineError, match="token id 99999 is outside") as bad:
+                await here.generate(GenerateRequest("bad", [1, 99999], greedy(2)))
+            task = asyncio.create_task(here.generate(GenerateRequest("ipcut", PROMPTS[2],
+                                                                     greedy(LONG))))
+            await wait_running(server.url, "ipcut", 4)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            running = (await server_info(server.url))["running"]
+            again = await here.generate(GenerateRequest("ipcut", PROMPTS[2], greedy(8)))
+            return local, remote, bad.value, running, again
+
+    local, remote, bad, running, again = run(scenario())
+    for a, b in zip(local, remote, strict=True):
+        assert (a.output_ids, a.output_logprobs, a.finish_reason, a.weight_versions) == (
+            b.output_ids, b.output_logprobs, b.finish_reason, b.weight_versions)
+    assert bad.status == 400 and bad.endpoint == "/generate"
+    assert "ipcut" not in running
     assert again.output_ids == long_ref[2][:8]
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import logging
 import signal
@@ -48,6 +49,9 @@ from megatron_rl.engines.base import (
     CONTROL_ROUTES,
     MIN_TOKEN_CHARS,
     TOKEN_ENV,
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
     engine_token,
     is_loopback_host,
 )
@@ -60,6 +64,11 @@ from megatron_rl.engines.embedded_core import (
     parse_json_object,
     show,
     typed_field,
+)
+from megatron_rl.engines.http_client import (
+    HttpEngine,
+    build_generate_body,
+    parse_generate_response,
 )
 from megatron_rl.engines.tensors import (
     FLATTENED,
@@ -128,6 +137,35 @@ async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse
         return _error(f"{type(e).__name__}: {e}", 500)
 
 
+class InProcessEngine(HttpEngine):
+    """The client of an embedded engine in this process: `generate` hands the request to the
+    scheduler directly, the same body and answer as POST /generate without the HTTP round
+    trip through the server's thread (a median 4.6 ms from a finished request to its caller
+    here, at the head and tail of every rollout). Every other call goes over HTTP, as any
+    engine's."""
+
+    def __init__(self, server: EmbeddedServer, **kw: Any):
+        super().__init__(server.url, **kw)
+        self.server = server
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        where = f"POST {self.url}/generate (in process)"
+        try:
+            data = await self.server.generate_here(build_generate_body(req))
+        except asyncio.CancelledError:  # as HttpEngine: the rid is free when this returns
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.abort(req.rid))
+            raise
+        except BadRequest as e:
+            raise EngineError(f"{where} failed with HTTP {e.status}: {e}",
+                              endpoint="/generate", status=e.status, body=str(e)) from None
+        except Exception as e:  # as the route answers: a model or engine failure, named
+            log.exception("%s failed", where)
+            raise EngineError(f"{where} failed with HTTP 500: {type(e).__name__}: {e}",
+                              endpoint="/generate", status=500) from e
+        return parse_generate_response(req, data, self.moe_layout)
+
+
 class EmbeddedServer:
     """The embedded engine behind a real HTTP server (its own thread and event loop).
 
@@ -168,6 +206,7 @@ class EmbeddedServer:
         self._groups: dict[str, Any] = {}  # weight-update broadcast groups by name
         self._waiting: set[asyncio.Future] = set()  # handlers waiting on _in_thread work
         self._stopping = False
+        self._claiming = threading.Lock()  # rids are claimed from the server's loop and ours
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kw: Any) -> EmbeddedServer:
@@ -417,9 +456,10 @@ class EmbeddedServer:
     async def _run(self, seq: Seq) -> dict[str, Any]:
         if self.core.released:
             raise BadRequest("memory is released: call /resume_memory_occupation first", 503)
-        if seq.rid in self.core.rids:
-            raise BadRequest(f"rid: a request with rid '{seq.rid}' is already in flight")
-        self.core.rids.add(seq.rid)
+        with self._claiming:
+            if seq.rid in self.core.rids:
+                raise BadRequest(f"rid: a request with rid '{seq.rid}' is already in flight")
+            self.core.rids.add(seq.rid)
         self.core.submit(seq)
         try:
             return await asyncio.wrap_future(seq.future)
@@ -431,6 +471,12 @@ class EmbeddedServer:
     async def _generate(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         return web.json_response(await self._run(self._parse_generate(body)))
+
+    async def generate_here(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /generate's answer to `body` without HTTP, awaited in the caller's loop (a
+        client in this process: `InProcessEngine`). Raises BadRequest as the route answers
+        4xx."""
+        return await self._run(self._parse_generate(body))
 
     async def _abort(self, request: web.Request) -> web.Response:
         body = await self._body(request)

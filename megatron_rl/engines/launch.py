@@ -70,13 +70,12 @@ def start_engines(cfg: Config, spec: Any, tokenizer: Any,
     `placement` when the trainer ranks already hold it (Ray trainer ranks), else in placement
     groups of their own. Engines without `rollout.model_path` start from random weights of the
     policy's architecture: the first weight sync replaces them with the trainer's."""
-    from megatron_rl.engines.http_client import HttpEngine
 
     ro = cfg.rollout
     if not ro.ray:
         import transformers
 
-        from megatron_rl.engines.embedded import EmbeddedServer
+        from megatron_rl.engines.embedded import EmbeddedServer, InProcessEngine
         from megatron_rl.engines.kinds import engine_threads
 
         if ro.engine != "embedded" or ro.num_engines != 1 or ro.aux_pools:
@@ -87,7 +86,7 @@ def start_engines(cfg: Config, spec: Any, tokenizer: Any,
                                 threads=engine_threads(ro),
                                 prefix_cache=ro.prefix_cache,
                                 fast_output_layer=ro.fast_output_layer).start()
-        return Engines(HttpEngine(server.url), [server.url], {}, None, server.core, server.stop)
+        return Engines(InProcessEngine(server), [server.url], {}, None, server.core, server.stop)
     import ray
 
     from megatron_rl.distributed.ray_placement import init_ray

@@ -88,7 +88,10 @@ class StepRequests:
         return getattr(self.engine, name)
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        task = asyncio.ensure_future(self.engine.generate(req))
+        # started now, not after every other session's turn of the loop: an in-process
+        # engine gets the step's first request while the others are still being built
+        task = asyncio.Task(self.engine.generate(req), loop=asyncio.get_running_loop(),
+                            eager_start=True)
         self.running[task] = req.rid
         task.add_done_callback(lambda t: self.running.pop(t, None))
         return await asyncio.shield(task)  # a cancelled session leaves the call to `cut`
