@@ -94,6 +94,31 @@ def test_one_copy_sync_writes_the_engines_parameters_in_place(models, tmp_path) 
     assert max_diff(out.output_logprobs, full_logprobs(new, PROMPTS[0], out.output_ids)) < TOL
 
 
+def test_an_engine_restarted_between_syncs_is_mapped_again(models, tmp_path) -> None:
+    """The next sync finds another segment behind the same URL: it maps the new engine's
+    memory and writes there, not into the old engine's."""
+    base, new = models
+    named = checkpoint_tensors(new, tmp_path / "new")
+    with EmbeddedServer(copy.deepcopy(base)).start() as first:
+        port = first.port
+        with WeightSyncer(HFGatherer(named), [first.url], transport="tensor") as syncer:
+            syncer.sync(1)
+            old = syncer._writers[0].name
+            first.stop()
+            with EmbeddedServer(copy.deepcopy(base), port=port).start() as second:
+                stats = syncer.sync(2)
+                assert syncer._writers[0].name != old
+                assert stats.extra["unshared"] == 0
+
+                async def probe():
+                    async with HttpEngine(second.url) as eng:
+                        return await eng.generate(GenerateRequest("p", PROMPTS[0], greedy(8)))
+
+                out = asyncio.run(probe())
+    assert out.weight_versions == [2] * 8
+    assert out.output_ids == hf_greedy(new, PROMPTS[0], 8)
+
+
 def test_a_split_qkv_is_written_from_views_of_the_fused_tensor() -> None:
     """With several query groups HF's q, k and v are copies of Megatron's fused QKV; grouped,
     they stay views and are written through the engine's parameter viewed alike."""

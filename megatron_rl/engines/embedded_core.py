@@ -1059,12 +1059,13 @@ class EmbeddedCore:
     def begin_weight_write(self) -> str:
         """Hold every step until `commit_weight_write`: requests stay in flight, none decodes
         with half-written weights. Returns the shared memory's label (a writer holding another
-        one maps the memory of an engine that has since restarted)."""
-        if self.shared is None:
-            raise BadRequest("weights are not shared: POST /shared_weights first")
+        one maps the memory of an engine that has since restarted, which shares its weights
+        here if it did not yet)."""
         if "weights" in self.released_tags:
             raise BadRequest("weights are released: resume them first "
                              "(/resume_memory_occupation with tags ['weights'])", 503)
+        if self.shared is None:
+            self.share_weights()
         self.writing = True
         return self.shared.memory.label
 

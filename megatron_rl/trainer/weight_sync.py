@@ -393,6 +393,7 @@ class WeightSyncer:
         self.master_address, self.timeout_s = master_address, timeout_s
         self.one_copy, self.look_ahead = one_copy, look_ahead
         self._writers: list[SharedWeightWriter] | None = None
+        self._shared: bool | None = None  # several senders: all write the engines' memory
         self.engines: list[HttpEngine] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         # the distributed transport's broadcast group has one source
@@ -465,15 +466,19 @@ class WeightSyncer:
         g, loop = self.gatherer, self.loop
         sender = g.sends()
         writers = self._shared_writers() if sender and self.transport == "tensor" else None
-        shared = self.transport == "tensor" and _all_ranks(g, not sender or bool(writers))
+        if self._shared is None:  # agreed once: a writer is mapped for good or raises
+            self._shared = self.transport == "tensor" and _all_ranks(
+                g, not sender or bool(writers))
+        shared = self._shared
         tensors = g.hf_tensors(self.dtype, self.one_sender, grouped=shared)
         segments = None
-        if shared and g.rank == 0:
-            segments = loop.run_until_complete(
-                _on_all(self.engines, lambda e: e.begin_shared_write()))
-        if shared:
-            segments = _from_rank0(g, segments)
-        dist.barrier(group=g.group)  # the engines are paused before anyone writes
+        if shared:  # the engines are paused before anyone writes: rank 0's word is awaited
+            if g.rank == 0:
+                segments = loop.run_until_complete(
+                    _on_all(self.engines, lambda e: e.begin_shared_write()))
+            segments = self._segments_from_rank0(segments, writers)
+        else:
+            dist.barrier(group=g.group)
         sent, ahead = [0], None
         if not sender:
             for _ in tensors:  # take part in the reductions
@@ -501,6 +506,16 @@ class WeightSyncer:
             else:
                 loop.run_until_complete(_load_disk(self.engines, self.disk_dir, version))
         return self._timed(t_start, sent[0], ahead)
+
+    def _segments_from_rank0(self, segments: list[str] | None,
+                             writers: list[SharedWeightWriter] | None) -> list[str] | None:
+        """The engines' segments rank 0's begin returned, on every rank: one int when they are
+        the ones mapped (every rank maps the same, at the same syncs), else the names."""
+        g = self.gatherer
+        mapped = [w.name for w in writers or ()]
+        same = torch.tensor([int(g.rank == 0 and segments == mapped)])
+        dist.broadcast(same, group_src=0, group=g.group)
+        return mapped if same.item() else _from_rank0(g, segments)
 
     def _shared_writers(self) -> list[SharedWeightWriter] | None:
         """One writer per engine when every engine shares its parameters with this machine
