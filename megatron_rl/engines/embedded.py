@@ -165,6 +165,11 @@ class InProcessEngine(HttpEngine):
                               endpoint="/generate", status=500) from e
         return parse_generate_response(req, data, self.moe_layout)
 
+    async def abort(self, rid: str) -> None:
+        # a step's cut aborts its requests together: in one pass of the scheduler, not one
+        # HTTP call after another (~0.8 ms each here)
+        await self.server.abort_here(rid)
+
 
 class EmbeddedServer:
     """The embedded engine behind a real HTTP server (its own thread and event loop).
@@ -471,6 +476,10 @@ class EmbeddedServer:
     async def _generate(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         return web.json_response(await self._run(self._parse_generate(body)))
+
+    async def abort_here(self, rid: str) -> None:
+        """POST /abort_request for `rid`, without HTTP (`InProcessEngine`)."""
+        await self._call(lambda: self.core.abort(rid), "abort_request")
 
     async def generate_here(self, body: dict[str, Any]) -> dict[str, Any]:
         """POST /generate's answer to `body` without HTTP, awaited in the caller's loop (a
