@@ -4,6 +4,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from megatron_rl.distributed.worker_pool import WorkerError, WorkerPool
 from tests import dist_cases
@@ -18,25 +19,38 @@ def test_results_in_rank_order(pool2):
     assert pool2.run(dist_cases.rank_of_failure, -1) == [0, 1]
 
 
-def _checksum(tensors: dict) -> dict:
-    return {k: (t.dtype, tuple(t.shape), float(t.double().sum())) for k, t in tensors.items()}
+def _fingerprint(tensors: dict) -> dict:
+    """Per tensor its dtype, shape, strides and bytes' digest; which ones share memory."""
+    import hashlib
+
+    out = {k: (t.dtype, tuple(t.shape), t.stride(), hashlib.sha256(
+        t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest())
+        for k, t in tensors.items()}
+    storages = [t.untyped_storage().data_ptr() for t in tensors.values()]
+    return {"tensors": out, "distinct storages": len(set(storages))}
 
 
 def test_small_jobs_are_pickled_once_inline_and_large_tensors_still_arrive(pool2):
-    """A job up to INLINE_BYTES goes to every rank as one inline pickle (an RL step's batch);
-    a larger one as before, its tensors through shared memory. Both arrive bit for bit."""
-    import torch
-
+    """A job up to INLINE_BYTES goes to every rank as one inline pickle (an RL step's batch),
+    a tensor that is its whole storage as raw bytes; a larger one as before, its tensors
+    through shared memory, as is a job whose tensors share memory (torch's reduction keeps
+    them shared). Every one arrives bit for bit, strides and sharing as sent."""
     from megatron_rl.distributed import worker_pool
 
     gen = torch.Generator().manual_seed(0)
     small = {"ids": torch.randint(0, 640, (8, 600), generator=gen),
-             "logp": torch.randn(8, 600, generator=gen), "bf16": torch.randn(5).bfloat16()}
+             "logp": torch.randn(8, 600, generator=gen), "bf16": torch.randn(5).bfloat16(),
+             "mask": torch.rand(3, 4, generator=gen) > 0.5, "scalar": torch.tensor(2.5),
+             "empty": torch.zeros(0, 3), "transposed": torch.randn(4, 6, generator=gen).t()}
+    base = torch.randn(6, 8, generator=gen)
+    shared = {"base": base, "rows": base[2:4], "col": base[:, 1]}
     large = {"w": torch.randn(3 << 20, generator=gen)}  # 12 MB
-    assert worker_pool._inline((_checksum, (small,), {})) is not None
-    assert worker_pool._inline((_checksum, (large,), {})) is None
-    for job in (small, large):
-        assert pool2.run(_checksum, job) == [_checksum(job)] * 2
+    assert worker_pool._inline((_fingerprint, (small,), {})) is not None
+    assert worker_pool._inline((_fingerprint, (shared,), {})) is None
+    assert worker_pool._inline((_fingerprint, (large,), {})) is None
+    for job in (small, shared, large):
+        assert pool2.run(_fingerprint, job) == [_fingerprint(job)] * 2
+    assert _fingerprint(shared)["distinct storages"] == 1
 
 
 def test_failure_on_one_rank_names_it_and_pool_survives(pool2):

@@ -71,22 +71,41 @@ class _TooLarge(Exception):
     pass
 
 
+def _tensor_from_bytes(dtype: Any, shape: tuple[int, ...], data: bytearray) -> Any:
+    import torch
+
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
 class _BoundedPickler(pickle.Pickler):
     """Stops (`_TooLarge`) once the tensors met hold more than `limit` bytes, so a large job
-    is not serialised in full only to be dropped."""
+    is not serialised in full only to be dropped. A tensor that is its whole storage goes as
+    its raw bytes: torch's own reduction saves each storage with `torch.save` and loads it
+    with `torch.load` (0.32 + 0.38 ms for an RL step's 300 kB batch, 0.08 + 0.04 raw)."""
 
     def __init__(self, file: io.BytesIO, limit: int):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.left = limit
+        self.storages: set[int] = set()
 
-    def persistent_id(self, obj: Any) -> None:
+    def reducer_override(self, obj: Any) -> Any:
         import torch
 
-        if isinstance(obj, torch.Tensor):
-            self.left -= obj.untyped_storage().nbytes()  # a view pickles its whole storage
-            if self.left < 0:
-                raise _TooLarge
-        return None
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        storage = obj.untyped_storage()
+        self.left -= storage.nbytes()  # a view pickles its whole storage
+        if self.left < 0:
+            raise _TooLarge
+        if storage.data_ptr() in self.storages:
+            raise _TooLarge  # tensors sharing memory: torch's reduction keeps them shared
+        self.storages.add(storage.data_ptr())
+        if (type(obj) is not torch.Tensor or obj.device.type != "cpu" or obj.requires_grad
+                or obj.layout != torch.strided or not obj.is_contiguous()
+                or obj.storage_offset() or storage.nbytes() != obj.nbytes or not obj.numel()):
+            return NotImplemented
+        raw = bytearray(obj.reshape(-1).view(torch.uint8).numpy())
+        return _tensor_from_bytes, (obj.dtype, tuple(obj.shape), raw)
 
 
 def _inline(job: tuple) -> bytes | None:
