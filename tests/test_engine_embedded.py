@@ -276,21 +276,25 @@ def test_abort_returns_the_partial_output_and_resuming_continues_it(server, long
     assert partial.output_ids + rest.output_ids == ref  # resumed from the committed prefix
 
 
+async def cut_and_resume(eng: HttpEngine, url: str, rid: str) -> tuple:
+    """A long call cancelled after 4 tokens, then the same rid sent again for 8: (what the
+    server still runs right after the cancel, the second call's result)."""
+    task = asyncio.create_task(eng.generate(GenerateRequest(rid, PROMPTS[2], greedy(LONG))))
+    await wait_running(url, rid, 4)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    running = (await server_info(url))["running"]
+    return running, await eng.generate(GenerateRequest(rid, PROMPTS[2], greedy(8)))
+
+
 def test_a_cancelled_client_call_aborts_its_request_on_the_server(server, long_ref) -> None:
     """Partial rollout cancels sessions at a step cut: the server must stop decoding them and
     free their rid, which the resumed session sends again."""
 
     async def scenario() -> tuple:
         async with HttpEngine(server.url) as eng:
-            task = asyncio.create_task(eng.generate(GenerateRequest("cut", PROMPTS[2],
-                                                                    greedy(LONG))))
-            await wait_running(server.url, "cut", 4)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            running = (await server_info(server.url))["running"]
-            again = await eng.generate(GenerateRequest("cut", PROMPTS[2], greedy(8)))
-            return running, again
+            return await cut_and_resume(eng, server.url, "cut")
 
     running, again = run(scenario())
     assert "cut" not in running
@@ -309,14 +313,7 @@ def test_the_in_process_client_answers_as_http_does(server, long_ref) -> None:
             remote = await asyncio.gather(*(http.generate(r) for r in reqs))
             with pytest.raises(EngineError, match="token id 99999 is outside") as bad:
                 await here.generate(GenerateRequest("bad", [1, 99999], greedy(2)))
-            task = asyncio.create_task(here.generate(GenerateRequest("ipcut", PROMPTS[2],
-                                                                     greedy(LONG))))
-            await wait_running(server.url, "ipcut", 4)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            running = (await server_info(server.url))["running"]
-            again = await here.generate(GenerateRequest("ipcut", PROMPTS[2], greedy(8)))
+            running, again = await cut_and_resume(here, server.url, "ipcut")
             return local, remote, bad.value, running, again
 
     local, remote, bad, running, again = run(scenario())
