@@ -26,7 +26,7 @@ from megatron_rl.engines.http_client import HttpEngine
 from megatron_rl.engines.process_memory import map_process_memory
 from megatron_rl.engines.shared_weights import LAYOUT_FORMAT, SharedWeightWriter
 from megatron_rl.models.registry import get_model_spec
-from megatron_rl.trainer.weight_sync import SyncStats, WeightSyncer, _viewed_as
+from megatron_rl.trainer.weight_sync import SyncStats, WeightSyncer, _copy_all, _viewed_as
 from tests.test_engine_embedded import (
     PROMPTS,
     TOL,
@@ -117,6 +117,31 @@ def test_an_engine_restarted_between_syncs_is_mapped_again(models, tmp_path) -> 
                 out = asyncio.run(probe())
     assert out.weight_versions == [2] * 8
     assert out.output_ids == hf_greedy(new, PROMPTS[0], 8)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_copies_split_over_threads_write_every_element_once(threads) -> None:
+    """The threads take equal runs of the destination in address order, a contiguous tensor
+    on a boundary cut there; non-contiguous sources (a grouped QKV's views) stay whole."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = [(700, 33), (5,), (64, 64), (3, 129), (1000,), (8, 16)]
+    memory = torch.zeros(sum(torch.Size(s).numel() for s in sizes) + 8)
+    dsts, at = [], 0
+    for shape in sizes:  # back to back, as the engine's parameters
+        n = torch.Size(shape).numel()
+        dsts.append(memory[at:at + n].view(shape))
+        at += n
+    srcs = [torch.randn(s, generator=gen) for s in sizes]
+    srcs[2] = torch.randn(64, 64, generator=gen).t()  # non-contiguous
+    pairs = [(d, s) for d, s in zip(dsts, srcs, strict=True)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _copy_all(pairs[::-1])  # any order in
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(d, s) for d, s in pairs)
+    assert not memory[at:].any()  # nothing past the last destination
 
 
 def test_a_split_qkv_is_written_from_views_of_the_fused_tensor() -> None:

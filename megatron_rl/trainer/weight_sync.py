@@ -304,23 +304,36 @@ def _copy_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """dst.copy_(src) for every pair, the pairs split over the intra-op threads: one copy of a
-    few MB gains little from torch's own split, while each thread copying its share of the
-    tensors runs at memcpy speed."""
+    """dst.copy_(src) for every pair, split over the intra-op threads: one copy of a few MB
+    gains little from torch's own split. Each thread takes an equal run of the destination in
+    address order (the engine's parameters lie back to back), so it streams through memory as
+    a memcpy does; a contiguous pair on a boundary is cut there."""
     n = torch.get_num_threads()
     if n <= 1 or len(copies) < 2 * n or torch.cuda.is_available():
         for dst, src in copies:
             dst.copy_(src)
         return
+    pairs = sorted(copies, key=lambda p: p[0].data_ptr())
+    total = sum(dst.nbytes for dst, _ in pairs)
     shares: list[list] = [[] for _ in range(n)]
-    loads = [0] * n
-    for pair in sorted(copies, key=lambda p: -p[1].numel()):  # balance bytes
-        i = loads.index(min(loads))
-        shares[i].append(pair)
-        loads[i] += pair[1].numel()
+    share, done = 0, 0
+    for dst, src in pairs:
+        edge = total * (share + 1) // n  # where this share ends, in bytes
+        if (share < n - 1 and done + dst.nbytes > edge and dst.is_contiguous()
+                and src.is_contiguous()):
+            k = (edge - done) // dst.element_size()
+            flat_dst, flat_src = dst.view(-1), src.view(-1)
+            shares[share].append((flat_dst[:k], flat_src[:k]))
+            share += 1
+            shares[share].append((flat_dst[k:], flat_src[k:]))
+        else:
+            shares[share].append((dst, src))
+        done += dst.nbytes
+        while share < n - 1 and done >= total * (share + 1) // n:
+            share += 1
     torch.set_num_threads(1)  # the engines are held: nothing else of ours computes now
     try:
-        list(_copy_pool(n).map(lambda share: [d.copy_(s) for d, s in share], shares))
+        list(_copy_pool(n).map(lambda pairs: [d.copy_(s) for d, s in pairs], shares))
     finally:
         torch.set_num_threads(n)
 
