@@ -28,6 +28,7 @@ Goals: one-copy >= 0.8x memcpy; the look-ahead <= 0.9x the serial sync; a sender
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -84,8 +85,8 @@ def _cpu_seconds(pid: int) -> float:
 def _two_rank_job(spec: str, url: str, layout: str, transports: list[str], bucket_mb: int,
                   repeats: int, version: int, engine_pid: int) -> list[tuple[str, float, object]]:
     """Run on each rank of a 2-rank pool: every transport's first and best steady sync
-    (rank 0's stats; the wall time is the slowest rank's). `extra["cpu_s"]`: the CPU seconds
-    both ranks and the engine spent in it."""
+    (rank 0's stats; the wall time is the slowest rank's), the transports' steady syncs
+    alternating. `extra["cpu_s"]`: the CPU seconds both ranks and the engine spent in it."""
     import torch.distributed as dist
 
     from megatron_rl.config.loader import load_config
@@ -97,25 +98,28 @@ def _two_rank_job(spec: str, url: str, layout: str, transports: list[str], bucke
                                              "train.micro_batch_size=1",
                                              f"parallel.{layout[:2]}={layout[2:]}"]))
     gatherer, rows = gatherer_for(actor), []
-    for transport in transports:
-        one_copy = transport.startswith("one-copy")
-        with WeightSyncer(gatherer, [url], transport="tensor", bucket_bytes=bucket_mb << 20,
-                          one_copy=one_copy, **_serial(transport),
-                          by_owner=not transport.endswith("-rank0")) as syncer:
-            timed = []
-            for _ in range(1 + repeats):
+    with contextlib.ExitStack() as stack:
+        syncers = {t: stack.enter_context(WeightSyncer(
+            gatherer, [url], transport="tensor", bucket_bytes=bucket_mb << 20,
+            one_copy=t.startswith("one-copy"), **_serial(t), by_owner=not t.endswith("-rank0")))
+            for t in transports}
+        timed: dict[str, list] = {t: [] for t in transports}
+        for r in range(1 + repeats):  # after each one's first, the transports alternate
+            for transport in transports[r % len(transports):] + transports[:r % len(transports)]:
                 version += 1
                 dist.barrier()
                 engine, ours, t0 = _cpu_seconds(engine_pid), time.process_time(), \
                     time.perf_counter()
-                stats = syncer.sync(version)
+                stats = syncers[transport].sync(version)
                 dist.barrier()  # done when the last rank is
-                timed.append((time.perf_counter() - t0, stats))
+                timed[transport].append((time.perf_counter() - t0, stats))
                 cpu = torch.tensor([time.process_time() - ours])
                 dist.all_reduce(cpu)
                 stats.extra["cpu_s"] = cpu.item() + _cpu_seconds(engine_pid) - engine
-        rows.append((f"{layout} {transport} (first)", *timed[0]))
-        rows.append((f"{layout} {transport} (steady)", *min(timed[1:], key=lambda r: r[0])))
+    for transport in transports:
+        first, *steady = timed[transport]
+        rows.append((f"{layout} {transport} (first)", *first))
+        rows.append((f"{layout} {transport} (steady)", *min(steady, key=lambda r: r[0])))
     return rows
 
 
