@@ -4,7 +4,8 @@ One process is the trainer (Megatron, world size 1, the local spec); the engine 
 server, run as its own process. Each transport syncs every weight (HF names, fp32) and is timed
 end to end; the same bytes are memcpy'd in one buffer for the reference. Each
 transport syncs 1 + `--repeats` times (one-copy, as fast as memcpy, 1 + 10): the first allocates
-(cold pages); the best of the others is what every later RL step pays. A memcpy follows
+(cold pages); the best of the others is what every later RL step pays; after each one's
+first, the transports' syncs alternate (on two ranks too). A memcpy follows
 each sync (the best of the transport's own, `Memcpy`). Prints bytes/s and the
 ratio to memcpy, plus the time split: gather (shards → canonical tensors) / convert (HF layout)
 / transfer (serialise, send, engine load; for one-copy: the writes into the engine's parameters
@@ -179,26 +180,33 @@ def main() -> None:
             gatherer = gatherer_for(actor)
             rows, memcpy = [], Memcpy()
             version = 0
-            for transport in a.transports.split(","):
-                one_copy = transport == "one-copy"
-                kind = "tensor" if one_copy else transport.removesuffix("-serial")
-                with WeightSyncer(gatherer, [url], transport=kind,
-                                  bucket_bytes=a.bucket_mb << 20, one_copy=one_copy,
-                                  **_serial(transport),
-                                  disk_dir=str(tmp / "disk")) as syncer:
-                    # the first allocates (cold pages); a run then syncs every step: the
-                    # steady row is the best of the later syncs, as memcpy's is (one-copy's
-                    # take ~memcpy's 30 ms here, so 10 of them, as of memcpy)
-                    timed = []
-                    for _ in range(1 + (max(a.repeats, MEMCPY_REPEATS) if one_copy
-                                        else a.repeats)):
+            transports = a.transports.split(",")
+            # the first sync allocates (cold pages); a run then syncs every step: the steady
+            # row is the best of the later syncs, as memcpy's is (one-copy's take ~memcpy's
+            # 30 ms here, so 10 of them, as of memcpy). After each one's first, the
+            # transports alternate
+            counts = {t: 1 + (max(a.repeats, MEMCPY_REPEATS) if t == "one-copy" else a.repeats)
+                      for t in transports}
+            timed: dict[str, list] = {t: [] for t in transports}
+            with contextlib.ExitStack() as stack:
+                syncers = {t: stack.enter_context(WeightSyncer(
+                    gatherer, [url], transport="tensor" if t == "one-copy"
+                    else t.removesuffix("-serial"), bucket_bytes=a.bucket_mb << 20,
+                    one_copy=t == "one-copy", **_serial(t), disk_dir=str(tmp / "disk")))
+                    for t in transports}
+                for r in range(max(counts.values())):
+                    for t in transports[r % len(transports):] + transports[:r % len(transports)]:
+                        if len(timed[t]) == counts[t]:
+                            continue
                         version += 1
                         t0 = time.perf_counter()
-                        stats = syncer.sync(version)
-                        timed.append((time.perf_counter() - t0, stats))
-                        memcpy.time(stats.bytes, transport)
-                    rows.append((f"{transport} (first)", *timed[0]))
-                    rows.append((f"{transport} (steady)", *min(timed[1:], key=lambda r: r[0])))
+                        stats = syncers[t].sync(version)
+                        timed[t].append((time.perf_counter() - t0, stats))
+                        memcpy.time(stats.bytes, t)
+            for t in transports:
+                first, *steady = timed[t]
+                rows.append((f"{t} (first)", *first))
+                rows.append((f"{t} (steady)", *min(steady, key=lambda r: r[0])))
             if a.two_ranks:
                 rows += _two_rank_rows(a, spec, url, version, server.pid)
         finally:
