@@ -284,13 +284,17 @@ class WeightMap:
             shapes[name] = per[max((k for k in per if generic.endswith(k)), key=len)]
         return shapes
 
+    def hf_shape(self, name: str) -> tuple[int, ...] | None:
+        """`name`'s HF shape (None for a name this model does not have); `hf_shapes` once."""
+        if not hasattr(self, "_hf_shapes"):
+            self._hf_shapes = self.hf_shapes()
+        return self._hf_shapes.get(name)
+
     def megatron_shapes(self, entry: Entry, index: tuple[int, ...]) -> list[torch.Size]:
         """Canonical shapes of `entry`'s Megatron tensors (one per key), computed on meta
         tensors: no weight is read."""
-        if not hasattr(self, "_hf_shapes"):
-            self._hf_shapes = self.hf_shapes()
         return [t.shape for t in self.to_megatron(
-            entry, index, lambda n: torch.empty(self._hf_shapes[n], device="meta"))]
+            entry, index, lambda n: torch.empty(self.hf_shape(n), device="meta"))]
 
     # -- conversion ----------------------------------------------------------------------------
     def _split_sizes(self) -> list[int]:

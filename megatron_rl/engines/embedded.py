@@ -124,17 +124,23 @@ def _group_name(body: dict[str, Any]) -> str:
     return name
 
 
+def _answer_to(e: Exception, where: str) -> tuple[str, int]:
+    """The message and HTTP status a route answers for `e`: a refusal as it says, a model or
+    engine failure logged and named (not just "500"). Call it where `e` is handled."""
+    if isinstance(e, BadRequest):
+        return str(e), e.status
+    log.exception("%s failed", where)
+    return f"{type(e).__name__}: {e}", 500
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse:
     try:
         return await handler(request)
-    except BadRequest as e:
-        return _error(str(e), e.status)
     except web.HTTPException:
         raise
-    except Exception as e:  # a model or engine failure: say what it was, not just "500"
-        log.exception("%s %s failed", request.method, request.path)
-        return _error(f"{type(e).__name__}: {e}", 500)
+    except Exception as e:
+        return _error(*_answer_to(e, f"{request.method} {request.path}"))
 
 
 class InProcessEngine(HttpEngine):
@@ -156,13 +162,10 @@ class InProcessEngine(HttpEngine):
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.abort(req.rid))
             raise
-        except BadRequest as e:
-            raise EngineError(f"{where} failed with HTTP {e.status}: {e}",
-                              endpoint="/generate", status=e.status, body=str(e)) from None
-        except Exception as e:  # as the route answers: a model or engine failure, named
-            log.exception("%s failed", where)
-            raise EngineError(f"{where} failed with HTTP 500: {type(e).__name__}: {e}",
-                              endpoint="/generate", status=500) from e
+        except Exception as e:  # what the route would answer
+            message, status = _answer_to(e, where)
+            raise EngineError(f"{where} failed with HTTP {status}: {message}",
+                              endpoint="/generate", status=status, body=message) from e
         return parse_generate_response(req, data, self.moe_layout)
 
     async def abort(self, rid: str) -> None:

@@ -286,9 +286,7 @@ class WeightGatherer:
 
     def hf_shaped(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """`t`, `name`'s tensor from `hf_tensors(grouped=True)`, in its HF shape."""
-        if not hasattr(self, "_hf_shapes"):
-            self._hf_shapes = self.wmap.hf_shapes()
-        shape = self._hf_shapes.get(name)
+        shape = self.wmap.hf_shape(name)
         return t.reshape(shape) if shape is not None and len(shape) != t.dim() else t
 
     def _counted(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
