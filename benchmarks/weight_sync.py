@@ -230,7 +230,9 @@ def main() -> None:
         rate = nbytes / secs
         print(f"{transport:28s} {secs:8.2f} {rate / 1e6:8.0f} {rate / copy_rate(transport):9.3f} "
               f"{s.gather_s:7.2f} {s.convert_s:8.2f} {s.transfer_s:9.2f}"
-              + (f"  (write {s.extra['write_s']:.2f}, flip {s.extra['flip_s']:.3f})"
+              + (f"  (walk {1e3 * s.extra['walk_s']:.1f}, begin wait "
+                 f"{1e3 * s.extra['begin_wait_s']:.1f}, write {1e3 * s.extra['write_s']:.1f}, "
+                 f"flip {1e3 * s.extra['flip_s']:.1f} ms)"
                  if "write_s" in s.extra else "")
               + (f"  (phases overlap: {s.gather_s + s.convert_s + s.transfer_s:.2f} s of "
                  f"work in {s.wall_s:.2f} s)" if s.wall_s is not None else ""))

@@ -564,8 +564,10 @@ class WeightSyncer:
             begun = asyncio.ensure_future(
                 asyncio.gather(*(e.begin_shared_write() for e in self.engines)))
             await asyncio.sleep(0)  # the requests leave before the walk holds the loop
+        t0 = time.perf_counter()
         named = list(tensors)
         copies, rest = self._targets(writers, named)
+        t_walked = time.perf_counter()
         if begun is not None:
             segments = await begun
         if any(s != w.name for s, w in zip(segments, writers, strict=True)):
@@ -582,6 +584,7 @@ class WeightSyncer:
         if version is not None:
             await asyncio.gather(*(e.commit_shared_write(version) for e in self.engines))
         self.gatherer.stats.extra.update(
+            walk_s=t_walked - t0, begin_wait_s=t1 - t_walked,
             write_s=write_s, flip_s=time.perf_counter() - t2,
             unshared=sum(len(left) for left in rest))
 
