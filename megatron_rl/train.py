@@ -48,6 +48,7 @@ from megatron_rl.trainer.hf_weights import (
     save_run_tokenizer,
 )
 from megatron_rl.trainer.worker import TrainerWorker
+from megatron_rl.utils.event_loop import Runner
 from megatron_rl.utils.metrics import MetricsLogger, truncate_jsonl
 
 CONSOLE = ("reward/outcome_mean", "rollout/pass_rate", "loss", "grad_norm", "entropy",
@@ -149,7 +150,7 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
     spec = model_spec(cfg.model)
     tokenizer = run_tokenizer(cfg.model.hf_path, cfg.model.name, spec.vocab_size)
     rows = []
-    with asyncio.Runner() as loop, contextlib.ExitStack() as cleanup:  # unwinds backwards
+    with Runner() as loop, contextlib.ExitStack() as cleanup:  # unwinds backwards
         trainer = RankObjects(group, TrainerWorker, cfg, initial_weights(cfg, spec))
         cleanup.callback(trainer.close)
         info = trainer.call("describe")[0]
