@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import random
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -655,15 +656,6 @@ def core_seq(rid: str, prompt: list[int], n: int) -> Seq:
                return_logprob=True, return_routed=False, future=concurrent.futures.Future())
 
 
-def step(core: EmbeddedCore) -> None:
-    """One scheduler step as `EmbeddedCore._loop` takes it, on this thread: joins happen at
-    steps the test chooses."""
-    if core.pending and len(core.batch) < core.max_batch_size:
-        core._admit()
-    if core.batch:
-        core._decode()
-
-
 @torch.no_grad()
 def left_padded_generate(model: torch.nn.Module, prompts: list[list[int]], n: int
                          ) -> list[list[int]]:
@@ -719,10 +711,10 @@ def test_rows_joining_and_leaving_a_running_batch_keep_generates_outputs(
     with torch.no_grad():
         core.pending.extend(seqs[:2])
         for _ in range(3):
-            step(core)
+            core.step()
         core.pending.extend(seqs[2:])
         while core.batch or core.pending:
-            step(core)
+            core.step()
     for s, p, n in zip(seqs, prompts, lengths, strict=True):
         assert s.future.result(timeout=0)["output_ids"] == hf_greedy(model, p, n)
         assert max_diff(s.logprobs, full_logprobs(model, p, s.out)) < TOL
@@ -854,7 +846,7 @@ def test_decode_steps_run_the_layers_directly_only_where_that_is_exactly_the_mod
     with torch.no_grad():
         core.pending.extend(seqs)
         while core.batch or core.pending:
-            step(core)
+            core.step()
     assert [s.future.result(timeout=0)["output_ids"] for s in seqs] == [
         hf_greedy(model, p, 5 + i) for i, p in enumerate(prompts)]
     assert len(calls) >= 9 and max(calls) == 4  # every decode step, up to the full batch
@@ -890,7 +882,7 @@ def test_one_token_prompts_prefill_through_the_model(name: str) -> None:
     with torch.no_grad():
         core.pending.extend(seqs)
         while core.batch or core.pending:
-            step(core)
+            core.step()
     assert [s.future.result(timeout=0)["output_ids"] for s in seqs] == [
         hf_greedy(model, [t], 4) for t in (7, 9)]
 
@@ -917,14 +909,14 @@ def test_a_decode_step_writes_the_kv_cache_in_place(model) -> None:
     core = EmbeddedCore(model)
     with torch.no_grad():
         core.pending.extend([core_seq("a", PROMPTS[0], 20), core_seq("b", PROMPTS[1], 8)])
-        step(core)
+        core.step()
         ptrs, width = [layer.kbuf.data_ptr() for layer in core.cache.layers], core.width
         for _ in range(5):
-            step(core)
+            core.step()
         assert [layer.kbuf.data_ptr() for layer in core.cache.layers] == ptrs
         assert core.width == width + 5
         while len(core.batch) == 2:
-            step(core)  # "b" leaves: "a" moves into its row, in the same storage
+            core.step()  # "b" leaves: "a" moves into its row, in the same storage
         assert core.pad.tolist() == [0] and not core.padded
         assert [layer.kbuf.data_ptr() for layer in core.cache.layers] == ptrs
 
@@ -951,10 +943,10 @@ def test_prompts_sharing_a_prefix_run_it_once_and_keep_generates_outputs(model) 
     seqs = [core_seq(f"p{i}", p, 6) for i, p in enumerate(prompts)]
     with torch.no_grad():
         core.pending.append(seqs[0])  # nothing to share with yet
-        step(core)
+        core.step()
         core.pending.extend(seqs[1:])  # joins the running row
         while core.batch or core.pending:
-            step(core)
+            core.step()
     for s, p in zip(seqs, prompts, strict=True):
         assert s.future.result(timeout=0)["output_ids"] == hf_greedy(model, p, 6)
         assert max_diff(s.logprobs, full_logprobs(model, p, s.out)) < TOL
@@ -964,6 +956,54 @@ def test_prompts_sharing_a_prefix_run_it_once_and_keep_generates_outputs(model) 
     assert set(map(len, core.prefixes.shared_runs)) == {60, 99}
     assert info["hits"] == 6 and info["tokens_saved"] == 60 * 4 + 99 * 2
     assert info["tokens_computed"] == 99
+
+
+def test_answers_go_out_after_the_step_and_before_the_abort_that_gave_them(model) -> None:
+    """Requests finishing in one step are answered when it ends, not one by one inside it
+    (each answer wakes the caller's loop, which takes the GIL from the step); an abort
+    answers the requests it ended before its own call returns."""
+    core = EmbeddedCore(copy.deepcopy(model), max_batch_size=4)
+    seqs = [core_seq(f"s{i}", p, n) for i, (p, n) in
+            enumerate(zip(mixed_prompts(3, 2, 20, seed=9), (2, 2, 4), strict=True))]
+    stepping, seen = [False], []
+    decode = core._decode
+
+    def traced() -> None:
+        stepping[0] = True
+        try:
+            decode()
+        finally:
+            stepping[0] = False
+
+    core._decode = traced
+    for s in seqs:
+        s.future.add_done_callback(lambda f, rid=s.rid: seen.append((rid, stepping[0])))
+    with torch.no_grad():
+        core.pending.extend(seqs)
+        while core.batch or core.pending:
+            core.step()
+    assert sorted(seen) == [("s0", False), ("s1", False), ("s2", False)]
+    assert [s.future.result(timeout=0)["output_ids"] for s in seqs] == [
+        hf_greedy(model, s.prompt, s.sampling.max_new_tokens) for s in seqs]
+
+    order: list[str] = []
+    long = [core_seq(f"l{i}", p, 500) for i, p in enumerate(mixed_prompts(2, 2, 20, seed=3))]
+    for s in long:
+        s.future.add_done_callback(lambda f, rid=s.rid: order.append(rid))
+    core.start()
+    try:
+        for s in long:
+            core.submit(s)
+        while len(core.batch) < 2:
+            time.sleep(0.01)
+        aborted = core.call(lambda: core.abort(None, abort_all=True))
+        aborted.add_done_callback(lambda f: order.append("abort call"))
+        assert aborted.result(timeout=60) == 2
+    finally:
+        core.stop()
+    assert order == ["l0", "l1", "abort call"] or order == ["l1", "l0", "abort call"]
+    assert all(s.future.result(timeout=0)["meta_info"]["finish_reason"]["type"] == "abort"
+               for s in long)
 
 
 def test_a_weight_update_or_flush_drops_the_cached_prefixes(model, tmp_path) -> None:
@@ -980,7 +1020,7 @@ def test_a_weight_update_or_flush_drops_the_cached_prefixes(model, tmp_path) -> 
             for s in seqs:  # one at a time: the second takes the first's prefix
                 core.pending.append(s)
                 while core.batch or core.pending:
-                    step(core)
+                    core.step()
         return [s.future.result(timeout=0)["output_ids"] for s in seqs]
 
     assert generate_all("a") == [hf_greedy(model, p, 5) for p in prompts]
@@ -1010,7 +1050,7 @@ def test_a_turn_that_extends_a_finished_request_runs_only_its_new_tokens(model) 
             s = core_seq(f"t{t}", prompt, 6)
             core.pending.append(s)
             while core.batch or core.pending:
-                step(core)
+                core.step()
             out = s.future.result(timeout=0)["output_ids"]
             assert out == hf_greedy(model, prompt, 6)
             assert max_diff(s.logprobs, full_logprobs(model, prompt, out)) < TOL
@@ -1034,7 +1074,7 @@ def test_turns_after_different_cached_prefixes_share_one_prefill_pass(model) -> 
         for s in seqs:  # one at a time: three finished entries, no shared opening
             core.pending.append(s)
             while core.batch or core.pending:
-                step(core)
+                core.step()
         prompts = [[*p, *s.future.result(timeout=0)["output_ids"],
                     *[rng.randrange(1, 512) for _ in range(k)]]
                    for p, s, k in zip(firsts, seqs, (9, 12, 7), strict=True)]
@@ -1045,7 +1085,7 @@ def test_turns_after_different_cached_prefixes_share_one_prefill_pass(model) -> 
         seqs = [core_seq(f"b{i}", p, 6) for i, p in enumerate(prompts)]
         core.pending.extend(seqs)
         while core.batch or core.pending:
-            step(core)
+            core.step()
     # one pass; each prefix: a prompt and 5 of its 6 outputs
     assert len(passes) == 1 and sorted(passes[0]) == [0, 45, 62, 76]
     for s, p in zip(seqs, prompts, strict=True):

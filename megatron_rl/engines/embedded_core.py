@@ -449,6 +449,9 @@ class EmbeddedCore:
         self.max_running = 0  # the largest batch decoded so far (a sign batching happened)
         self.admitting: list[Seq] = []  # taken from pending, not yet in the batch
         self.stepping: list[Seq] = []   # the rows of the forward pass under way
+        # finished requests' answers (future, result, error), sent together after the step:
+        # each sent alone wakes the caller's loop, which then takes the GIL from the step
+        self.answers: list[tuple[concurrent.futures.Future, Any, BaseException | None]] = []
         self.busy_seconds = 0.0  # spent in prefill and decode steps (generation proper)
         self.weights = WeightLoader(model)
         self.shared: SharedWeightStore | None = None  # parameters in shared memory, on ask
@@ -528,23 +531,48 @@ class EmbeddedCore:
                     if not fut.set_running_or_notify_cancel():
                         continue
                     try:
-                        fut.set_result(fn())
+                        result = fn()
                     except BaseException as e:  # the caller gets it; the engine goes on
+                        self._send_answers()
                         fut.set_exception(e)
+                    else:  # after the answers it gave (an abort's): the caller sees them
+                        self._send_answers()
+                        fut.set_result(result)
+            self._send_answers()
             if self.held:
                 continue
             t0 = time.perf_counter()
             try:
-                if self.pending and len(self.batch) < self.max_batch_size:
-                    self._admit()
-                if self.batch:
-                    self._decode()
+                self.step()
             except Exception as e:  # _admit/_decode isolate request failures; this is a bug
                 log.exception("embedded engine step failed")
                 self._fail_all(e)
             self.busy_seconds += time.perf_counter() - t0
 
+    def step(self) -> None:
+        """One scheduler step (the scheduler thread's, or a test's on its own thread): admit
+        what waits while there is room, decode a token for every running request, then
+        answer the requests that finished."""
+        try:
+            if self.pending and len(self.batch) < self.max_batch_size:
+                self._admit()
+            if self.batch:
+                self._decode()
+        finally:
+            self._send_answers()
+
+    def _send_answers(self) -> None:
+        answers, self.answers = self.answers, []
+        for fut, result, error in answers:
+            if fut.done():  # the caller cancelled it meanwhile
+                continue
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
     def _fail_all(self, e: BaseException) -> None:
+        self._send_answers()  # the requests that finished before keep their results
         for s in [*self.admitting, *self.batch, *self.pending]:
             self.rids.discard(s.rid)
             if not s.future.done():
@@ -558,8 +586,7 @@ class EmbeddedCore:
         log.warning("embedded engine: request %s failed: %s: %s", s.rid, type(e).__name__, e)
         s.finish = {"type": "error"}
         self.rids.discard(s.rid)
-        if not s.future.done():
-            s.future.set_exception(e)
+        self.answers.append((s.future, None, e))
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor,
                  cache: Any, routed: bool, bias: torch.Tensor | None = None,
@@ -941,10 +968,10 @@ class EmbeddedCore:
         if s.future.done():
             return
         try:
-            s.future.set_result(self._response(s))
+            self.answers.append((s.future, self._response(s), None))
         except Exception as e:  # e.g. the tokenizer cannot decode this request's output
             log.warning("embedded engine: response for %s failed: %s", s.rid, e)
-            s.future.set_exception(e)
+            self.answers.append((s.future, None, e))
 
     def _response(self, s: Seq) -> dict[str, Any]:
         spans: list[dict[str, Any]] = []
