@@ -83,13 +83,13 @@ def test_token_mapping_itersynth_and_react():
     t = Trajectory("x", "g", "q", turns=[_turn("planner", ctx=[1, 2], out=[3, 4]),
                                          _turn("synthesizer", ctx=[5], out=[6])])
     seqs = token_advantages(t.sequences(), [0.6, -0.65])
-    assert [s.advantages for s in seqs] == [[0, 0, 0.6, 0.6], [0, -0.65]]
-    assert [s.loss_mask for s in seqs] == [[0, 0, 1, 1], [0, 1]]
+    assert [s.advantages.tolist() for s in seqs] == [[0, 0, 0.6, 0.6], [0, -0.65]]
+    assert [s.loss_mask.tolist() for s in seqs] == [[0, 0, 1, 1], [0, 1]]
     # ReAct: one growing sequence [1 | 2 | obs 3 | 4], turn_index [-1, 0, -1, 1]
     r = Trajectory("y", "g", "q", turns=[_turn("agent", ctx=[1], out=[2], obs=[3]),
                                          _turn("agent", ctx=[1, 2, 3], out=[4])])
     (seq,) = token_advantages(r.sequences(), [0.3, None])  # turn 1 not trained
-    assert seq.advantages == [0, 0.3, 0, 0] and seq.loss_mask == [0, 1, 0, 0]
+    assert seq.advantages.tolist() == [0, 0.3, 0, 0] and seq.loss_mask.tolist() == [0, 1, 0, 0]
 
 
 def test_a_dropped_group_kept_for_the_synthesizer_trains_only_its_turns():

@@ -93,7 +93,7 @@ def test_sequences_take_each_tokens_routing_from_the_latest_turn_that_fed_it():
     with pytest.raises(ValueError, match="routed experts for 3 tokens; it fed 4"):
         Turn("agent", [1, 2, 3], [10, 11], [0.0] * 2, [0] * 2, routed_experts=_routing(3, 0))
 
-    adv = SequenceAdvantages([0.0] * 9, seq.loss_mask)
+    adv = SequenceAdvantages(np.zeros(9), np.array(seq.loss_mask))
     batch = build_batch([seq, seq], [adv, adv], seq_length=12, pad_id=0, rows_multiple=4)
     routed = batch.extras[ROUTED_EXPERTS]
     assert routed.shape == (4, 12, *LAYOUT) and routed.dtype == torch.long
@@ -172,7 +172,7 @@ def _rollout_batch(url: str, episodes: int = 2):
     trajs = asyncio.run(run())
     seqs = [s for t in trajs for s in t.sequences()]
     assert all(t.routed_experts is not None for tr in trajs for t in tr.turns)
-    adv = [SequenceAdvantages([0.0] * len(s.tokens), s.loss_mask) for s in seqs]
+    adv = [SequenceAdvantages(np.zeros(len(s.tokens)), np.array(s.loss_mask)) for s in seqs]
     return trajs, build_batch(seqs, adv, seq_length=E2E_SEQ, pad_id=0)
 
 

@@ -62,8 +62,8 @@ def rdpo_advantages(trajectories: Sequence[Trajectory], weights: RewardWeights |
 
 @dataclass
 class SequenceAdvantages:
-    advantages: list[float]  # aligned with TrainingSequence.tokens; 0 off generated tokens
-    loss_mask: list[int]     # the sequence's mask, with untrained turns zeroed
+    advantages: np.ndarray  # float, aligned with TrainingSequence.tokens; 0 off generated tokens
+    loss_mask: np.ndarray   # int, the sequence's mask, with untrained turns zeroed
 
 
 def token_advantages(sequences: Sequence[TrainingSequence], turn_advantages: TurnAdvantages
@@ -81,5 +81,5 @@ def token_advantages(sequences: Sequence[TrainingSequence], turn_advantages: Tur
             raise ValueError(f"{len(turn)} turn indices but a loss mask of "
                              f"{len(seq.loss_mask)}")
         mask = np.where(trained[turn], np.array(seq.loss_mask, dtype=np.int64), 0)
-        out.append(SequenceAdvantages(value[turn].tolist(), mask.tolist()))
+        out.append(SequenceAdvantages(value[turn], mask))  # arrays: the batch takes them as is
     return out

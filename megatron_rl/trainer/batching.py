@@ -52,8 +52,8 @@ def build_batch(sequences: Sequence[TrainingSequence], advantages: Sequence[Sequ
             raise ValueError(f"sequence {i}: {n} tokens but {len(a.advantages)} advantages")
         # through numpy: torch.tensor(list) takes ~8x as long for the same values
         tokens[i, :n] = torch.from_numpy(np.array(seq.tokens, dtype=np.int64))
-        mask[i, :n] = torch.from_numpy(np.array(a.loss_mask, dtype=np.float32))
-        adv[i, :n] = torch.from_numpy(np.array(a.advantages, dtype=np.float32))
+        mask[i, :n] = torch.from_numpy(np.asarray(a.loss_mask, dtype=np.float32))
+        adv[i, :n] = torch.from_numpy(np.asarray(a.advantages, dtype=np.float32))
         rollout[i, :n] = torch.from_numpy(np.array(seq.logprobs, dtype=np.float32))
     batch = TokenBatch.from_sequences(tokens, mask, **{ADVANTAGES: adv, ROLLOUT_LOGPROBS: rollout})
     if all(s.routed_experts is not None for s in sequences):
@@ -95,7 +95,7 @@ def rl_batch(trajectories: Sequence[Trajectory], rl: RLConfig, *, seq_length: in
                                             for a in advantages]
         own = traj.sequences()
         for seq, adv in zip(own, token_advantages(own, advantages), strict=True):
-            if any(adv.loss_mask):  # a row with no trained token adds nothing but work
+            if adv.loss_mask.any():  # a row with no trained token adds nothing but work
                 seqs.append(seq)
                 per_token.append(adv)
     stale = [v for s in seqs for v, m in zip(s.weight_versions, s.loss_mask, strict=True) if m]
