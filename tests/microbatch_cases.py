@@ -145,3 +145,41 @@ def replay_modes(overrides: list[str], init: str, modes: tuple[str, ...] = ("fix
         out[mode] = {"natural": natural, "replayed": replayed, "loss": step["loss"],
                      "grad_norm": step["grad_norm"], "pack": actor.pack}
     return out
+
+
+def fallback_attention_masks(init: str) -> dict:
+    """A packed micro-batch through one layer's attention: the masks megatron's own attention
+    got, spans path (no dropout) then its fallback (attention dropout while training), and
+    whether the latter was the micro-batch's dense mask."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    actor = make_actor([], "shared")
+    load_checkpoint(actor, init, optimizer=False, rng=False)
+    mb = next(m for m in actor._micro_batches(rl_batch()) if m.packed)
+    attention = actor.model[0].module.decoder.layers[0].self_attention.core_attention
+    got: list[torch.Tensor] = []
+    parent = DotProductAttention.forward
+
+    def spy(self, query, key, value, attention_mask, *args, **kwargs):
+        got.append(attention_mask)
+        return parent(self, query, key, value, attention_mask, *args, **kwargs)
+
+    s, b = mb.input_ids.shape[1], mb.input_ids.shape[0]
+    heads = attention.num_attention_heads_per_partition
+    dim = attention.hidden_size_per_attention_head
+    groups = attention.num_query_groups_per_partition
+    q = torch.randn(s, b, heads, dim)
+    k, v = torch.randn(s, b, groups, dim), torch.randn(s, b, groups, dim)
+    DotProductAttention.forward = spy
+    try:
+        attention.train()
+        attention.forward(q, k, v, mb.attention_mask())
+        spans_path = len(got)
+        attention.attention_dropout.p = 0.1
+        out = attention.forward(q, k, v, mb.attention_mask())
+    finally:
+        DotProductAttention.forward = parent
+        attention.attention_dropout.p = 0.0
+    return {"spans_path_parent_calls": spans_path, "fallback_calls": len(got) - spans_path,
+            "dense": bool(torch.equal(got[-1], mb.dense_attention_mask())),
+            "out_shape": tuple(out.shape), "expected": (s, b, heads * dim)}

@@ -106,11 +106,14 @@ def test_packed_rows_restart_positions_and_pack_every_extra_alike():
     assert (mb.extras["routed_experts"][1, 5:] == -1).all()  # padding: the model routes it
     assert (mb.loss_mask[1, 5:] == 0).all() and not mb.valid[1, 5:].any()
     # block-diagonal causal: row 0's second sequence sees only itself
-    full = mb.attention_mask()
+    full = mb.dense_attention_mask()
     mask = full[0, 0]
     assert mask[8].tolist() == [True] * 7 + [False, False, True]
-    # ... and names its sequences, for an attention that computes them one by one
-    assert full.packed_spans == [[(0, 7, 0, 0), (7, 10, 7, 7)], [(0, 5, 0, 0)]]
+    # the model gets its sequences by name, for an attention that computes them one by one,
+    # and the dense mask only on demand (an empty tensor: used as a mask, it fails)
+    given = mb.attention_mask()
+    assert given.packed_spans == [[(0, 7, 0, 0), (7, 10, 7, 7)], [(0, 5, 0, 0)]]
+    assert given.shape == (2, 1, 0, 0) and torch.equal(given.dense(), full)
     assert mbs.packed_spans(torch.tensor([[-1, 0, 0, 1, -1, 2], [-1] * 6])) == [
         [(1, 3, 1, 1), (3, 4, 3, 3), (5, 6, 5, 5)], []]
     assert mask[3].tolist() == [False] * 4 + [True] * 6
@@ -198,7 +201,7 @@ def test_a_shared_opening_packs_once_and_each_branch_sees_it():
     # branch 2 (row 1's remainder, columns 28-36) attends to the opening and to itself only
     mask = mb.attention_mask()
     assert mask.packed_spans[0][:3] == [(0, 19, 0, 0), (19, 28, 0, 19), (28, 37, 0, 19)]
-    allowed = ~mask[0, 0, 30]
+    allowed = ~mask.dense()[0, 0, 30]
     assert allowed[:19].all() and not allowed[19:28].any() and allowed[28:31].all()
     assert not allowed[31:].any()
 
@@ -248,6 +251,15 @@ def test_one_process_budget_and_packing_match_fixed_micro_batches(runs):
     # targets: two groups of them (the budget) run those once, 3 - 1 and 2 - 1 copies fewer
     assert out["packed"]["tokens"] - out["shared"]["tokens"] == 19 * 3
 
+
+
+def test_an_attention_falling_back_gets_the_dense_packed_mask(runs):
+    """The packed mask is built only on demand: the per-sequence attention never asks, and
+    megatron's own attention (here: attention dropout while training) gets the dense one."""
+    init, _ = runs
+    got = get_pool(1).run(cases.fallback_attention_masks, init)[0]
+    assert got["spans_path_parent_calls"] == 0 and got["fallback_calls"] == 1
+    assert got["dense"] and got["out_shape"] == got["expected"]
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.ep=2"], ["parallel.tp=2"],

@@ -103,8 +103,10 @@ def torch_sdpa_attention() -> type:
                     or self.scale_mask_softmax.window_size is not None
                     or (self.training and self.attention_dropout.p > 0)
                     or query.shape[0] != key.shape[0]):
-                return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                       attention_bias, packed_seq_params)
+                dense = getattr(attention_mask, "dense", None)  # a packed micro-batch's
+                return super().forward(query, key, value,
+                                       attention_mask if dense is None else dense(),
+                                       attn_mask_type, attention_bias, packed_seq_params)
             # [b, heads, s, d]; contiguous: the flash kernel reads [s, b]-strided rows slower
             # (forward and backward) than one copy costs
             q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))

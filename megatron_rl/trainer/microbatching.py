@@ -95,10 +95,19 @@ class MicroBatch(TokenBatch):
         return self.segments is not None
 
     def attention_mask(self) -> torch.Tensor:
+        """The model call's mask, its rows' sequences as `packed_spans`: the attention
+        (`layer_specs.torch_sdpa_attention`) attends within each sequence (and its prefix)
+        alone. The [B, 1, S, S] mask itself is built only where a fallback asks for it
+        (`.dense()`): at 1,700 positions it took ~2-5 ms a micro-batch, for nothing. Empty,
+        so that a use of it as a mask fails instead of masking nothing."""
+        mask = torch.empty(self.segments.shape[0], 1, 0, 0, dtype=torch.bool)
+        mask.packed_spans = packed_spans(self.segments, self.trunks)
+        mask.dense = self.dense_attention_mask
+        return mask
+
+    def dense_attention_mask(self) -> torch.Tensor:
         """[B, 1, S, S] bool, True = masked: causal within one sequence of the row, plus the
-        whole shared prefix it extends. It carries its rows' sequences as `packed_spans`, so
-        an attention that knows them (`layer_specs.torch_sdpa_attention`) attends within each
-        sequence (and its prefix) alone instead of over the whole row behind the mask."""
+        whole shared prefix it extends."""
         seg = self.segments
         s = seg.shape[1]
         causal = torch.ones(s, s, dtype=torch.bool, device=seg.device).triu(1)
@@ -107,7 +116,6 @@ class MicroBatch(TokenBatch):
         if self.trunks is not None:  # a prefix's columns come before its branches: causal
             mask &= ~((self.trunks[:, None, :, None] == seg[:, None, None, :])
                       & (self.trunks[:, None, :, None] >= 0))
-        mask.packed_spans = packed_spans(seg, self.trunks)
         return mask
 
     def per_sequence(self, out: torch.Tensor) -> torch.Tensor:
