@@ -304,8 +304,8 @@ def test_a_cancelled_client_call_aborts_its_request_on_the_server(server, long_r
 
 def test_the_in_process_client_answers_as_http_does(server, long_ref) -> None:
     """The driver's client of its own embedded engine skips HTTP for generate: the same
-    results, the same errors (EngineError with the route's status and the field), and a
-    cancelled call's rid is free when the cancel returns."""
+    results (log-probs to rounding), the same errors (EngineError with the route's status
+    and the field), and a cancelled call's rid is free when the cancel returns."""
     reqs = [GenerateRequest(f"ip{i}", p, greedy(12)) for i, p in enumerate(PROMPTS)]
 
     async def scenario() -> tuple:
@@ -318,9 +318,12 @@ def test_the_in_process_client_answers_as_http_does(server, long_ref) -> None:
             return local, remote, bad.value, running, again
 
     local, remote, bad, running, again = run(scenario())
+    # the same tokens; log-probs to rounding: the second run's prompts may hit the prefixes
+    # the first one cached, or join another batch (either way ~1e-6 apart)
     for a, b in zip(local, remote, strict=True):
-        assert (a.output_ids, a.output_logprobs, a.finish_reason, a.weight_versions) == (
-            b.output_ids, b.output_logprobs, b.finish_reason, b.weight_versions)
+        assert (a.output_ids, a.finish_reason, a.weight_versions) == (
+            b.output_ids, b.finish_reason, b.weight_versions)
+        assert max_diff(a.output_logprobs, b.output_logprobs) < TOL
     assert bad.status == 400 and bad.endpoint == "/generate"
     assert "ipcut" not in running
     assert again.output_ids == long_ref[2][:8]
