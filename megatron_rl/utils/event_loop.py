@@ -10,7 +10,8 @@ from typing import Any
 class Runner(asyncio.Runner):
     """`asyncio.Runner` whose `run` returns the coroutine's result without its task holding it.
 
-    Before Python 3.12.2 (gh-112559) `Runner.run` built the task's repr twice on the way out:
+    Since Python 3.11, until CPython fixed gh-112559 (3.12.1, this project's Python, still has
+    it), `Runner.run` built the task's repr twice on the way out:
     `signal.getsignal` and `signal.signal` try `Handlers(handler)` on the SIGINT handler, a
     partial holding the task, and the failed lookup's message formats it, result included.
     A step's rollouts, token lists and all, took ~5 ms a repr (measured on 3.12.1)."""
