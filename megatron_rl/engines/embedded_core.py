@@ -531,13 +531,10 @@ class EmbeddedCore:
                     if not fut.set_running_or_notify_cancel():
                         continue
                     try:
-                        result = fn()
+                        self.answers.append((fut, fn(), None))
                     except BaseException as e:  # the caller gets it; the engine goes on
-                        self._send_answers()
-                        fut.set_exception(e)
-                    else:  # after the answers it gave (an abort's): the caller sees them
-                        self._send_answers()
-                        fut.set_result(result)
+                        self.answers.append((fut, None, e))
+                    self._send_answers()  # after the answers it gave (an abort's), in order
             self._send_answers()
             if self.held:
                 continue
