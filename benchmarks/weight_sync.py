@@ -4,9 +4,11 @@ One process is the trainer (Megatron, world size 1, the local spec); the engine 
 server, run as its own process. Each transport syncs every weight (HF names, fp32) and is timed
 end to end; the same bytes are memcpy'd in one buffer for the reference. Each
 transport syncs 1 + `--repeats` times (one-copy, as fast as memcpy, 1 + 10): the first allocates
-(cold pages); the best of the others is what every later RL step pays; after each one's
+(cold pages); the median of the others is what a later RL step pays; after each one's
 first, the transports' syncs alternate (on two ranks too). A memcpy follows
-each sync (the best of the transport's own, `Memcpy`). Prints bytes/s and the
+each sync (the median of the transport's own, `Memcpy`). Medians, not the best: this host's
+copy bandwidth jumps for moments from ~23 to ~40 GB/s, and a best-of-11 memcpy that caught
+one against syncs that did not read 0.51 where the medians read 0.85. Prints bytes/s and the
 ratio to memcpy, plus the time split: gather (shards → canonical tensors) / convert (HF layout)
 / transfer (serialise, send, engine load; for one-copy: the writes into the engine's parameters
 and the begin/commit flip).
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,30 +49,35 @@ MEMCPY_REPEATS = 10
 
 class Memcpy:
     """The reference: the same bytes copied within one buffer pair, timed right after each
-    sync of a transport, best of that transport's window. Interleaved, because a shared
+    sync of a transport, the median of that transport's window. Interleaved, because a shared
     host's copy speed moves over a run and freshly allocated buffers copy slower for a while
     than ones in use (measured here: 26 ms, then 19 ms, for the same 449 MB); per window,
-    because the best copy of a fast minute says nothing of a slow one's syncs."""
+    because the copies of a fast minute say nothing of a slow one's syncs."""
 
     def __init__(self) -> None:
-        self.nbytes, self.best = 0, {}
+        self.nbytes, self.times = 0, {}
 
     def time(self, nbytes: int, window: str) -> None:
         if nbytes != self.nbytes:
             self.src = torch.ones(nbytes // 4)
             self.dst = torch.empty_like(self.src)
             self.dst.copy_(self.src)  # first touch
-            self.nbytes, self.best = nbytes, {}
+            self.nbytes, self.times = nbytes, {}
         t0 = time.perf_counter()
         self.dst.copy_(self.src)
-        self.best[window] = min(self.best.get(window, float("inf")), time.perf_counter() - t0)
+        self.times.setdefault(window, []).append(time.perf_counter() - t0)
 
     def bytes_per_s(self, nbytes: int, window: str) -> float:
         """A window without syncs (the two-rank rows') gets 10 copies of its own."""
-        while window not in self.best or nbytes != self.nbytes:
+        while window not in self.times or nbytes != self.nbytes:
             for _ in range(MEMCPY_REPEATS):
                 self.time(nbytes, window)
-        return nbytes / self.best[window]
+        return nbytes / statistics.median(self.times[window])
+
+
+def _median(timed: list[tuple[float, object]]) -> tuple[float, object]:
+    """The (seconds, stats) of the median sync (the slower of the middle two)."""
+    return sorted(timed, key=lambda r: r[0])[len(timed) // 2]
 
 
 def _serial(transport: str) -> dict[str, int]:
@@ -85,7 +93,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def _two_rank_job(spec: str, url: str, layout: str, transports: list[str], bucket_mb: int,
                   repeats: int, version: int, engine_pid: int) -> list[tuple[str, float, object]]:
-    """Run on each rank of a 2-rank pool: every transport's first and best steady sync
+    """Run on each rank of a 2-rank pool: every transport's first and median steady sync
     (rank 0's stats; the wall time is the slowest rank's), the transports' steady syncs
     alternating. `extra["cpu_s"]`: the CPU seconds both ranks and the engine spent in it."""
     import torch.distributed as dist
@@ -120,7 +128,7 @@ def _two_rank_job(spec: str, url: str, layout: str, transports: list[str], bucke
     for transport in transports:
         first, *steady = timed[transport]
         rows.append((f"{layout} {transport} (first)", *first))
-        rows.append((f"{layout} {transport} (steady)", *min(steady, key=lambda r: r[0])))
+        rows.append((f"{layout} {transport} (steady)", *_median(steady)))
     return rows
 
 
@@ -145,7 +153,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_size_args(p, layers=6, hidden=512, experts=16)
     p.add_argument("--bucket-mb", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3, help="steady syncs per transport (best)")
+    p.add_argument("--repeats", type=int, default=3, help="steady syncs per transport (median)")
     p.add_argument("--transports", default="one-copy,tensor,distributed,disk",
                    help="one-copy: the tensor transport writing into the engine's shared "
                         "parameters; tensor: the same transport with shm buckets; a "
@@ -182,7 +190,7 @@ def main() -> None:
             version = 0
             transports = a.transports.split(",")
             # the first sync allocates (cold pages); a run then syncs every step: the steady
-            # row is the best of the later syncs, as memcpy's is (one-copy's take ~memcpy's
+            # row is the median of the later syncs, as memcpy's is (one-copy's take ~memcpy's
             # 30 ms here, so 10 of them, as of memcpy). After each one's first, the
             # transports alternate
             counts = {t: 1 + (max(a.repeats, MEMCPY_REPEATS) if t == "one-copy" else a.repeats)
@@ -206,7 +214,7 @@ def main() -> None:
             for t in transports:
                 first, *steady = timed[t]
                 rows.append((f"{t} (first)", *first))
-                rows.append((f"{t} (steady)", *min(steady, key=lambda r: r[0])))
+                rows.append((f"{t} (steady)", *_median(steady)))
             if a.two_ranks:
                 rows += _two_rank_rows(a, spec, url, version, server.pid)
         finally:
