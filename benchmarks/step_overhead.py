@@ -3,15 +3,17 @@ in engine generation (the embedded engine's prefill/decode steps) nor in Megatro
 forward/backward schedules (log-prob passes and the training pass). Goal: <= 0.05.
 
 What the rest is: tool calls (local search), judging, agent parsing and HTTP, building the
-batch, shipping it to the trainer ranks, the optimizer step, weight sync and logging. Periodic
-work is off (held-out eval, checkpoints): it is not part of a step.
+batch, shipping it to the trainer ranks, the optimizer step, weight sync and the trajectory
+dump (`time/step` is taken after it; only the metrics line, ~0.1 ms, is written after).
+Periodic work is off (held-out eval, checkpoints): it is not part of a step.
 
     .venv/bin/python benchmarks/step_overhead.py [--steps 6] [--nproc 2]
     .venv/bin/python benchmarks/step_overhead.py --from-metrics runs/quickstart/rl/metrics.jsonl
 
-The tiny run's steps last ~0.6 s, so its fixed costs (HTTP, tools, the optimizer step, the
-sync) weigh more than in a run at working size; `--from-metrics` reads the same times from a
-finished run's metrics.jsonl (the quickstart's RL stage: 5-30 s steps) and reports that too.
+The tiny run's steps last 0.3-0.6 s (by host), so its fixed costs (HTTP, tools, the
+optimizer step, the sync) weigh more than in a run at working size; `--from-metrics` reads
+the same times from a finished run's metrics.jsonl (the quickstart's RL stage: 5-30 s steps)
+and reports that too.
 """
 
 from __future__ import annotations

@@ -244,6 +244,7 @@ def step_accuracy(model_dir: str, trajectories: str, limit: int | None = None,
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from megatron_rl.records.trajectory import full_contexts
     from megatron_rl.utils.tokens import added_word_ids
 
     if threads:
@@ -258,7 +259,7 @@ def step_accuracy(model_dir: str, trajectories: str, limit: int | None = None,
     # kind -> [right tokens, tokens, exact turns, turns, right name tokens, name tokens]
     kinds: dict[str, list[int]] = {}
     for traj in tqdm(rows, desc="step accuracy", unit="episode", disable=not progress):
-        for turn in traj["turns"]:
+        for turn in full_contexts(traj["turns"]):
             ctx, out = list(turn.get("context_ids") or ()), list(turn.get("output_ids") or ())
             if not ctx or not out:
                 continue

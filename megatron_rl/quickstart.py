@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config.loader import deep_merge, parse_overrides, read_yaml, resolve_recipe
+from megatron_rl.records.trajectory import full_contexts
 from megatron_rl.report import write_report
 from megatron_rl.report.plots import plot_accuracy, plot_runs
 from megatron_rl.utils.metrics import read_metrics
@@ -548,7 +549,7 @@ def _eval_row(out: Path, name: str) -> str:
     s = json.loads((folder / "summary.json").read_text())
     rows = [json.loads(x) for x in (folder / "trajectories.jsonl").read_text().splitlines()]
     peaks = [max((len(t.get("context_ids") or []) + len(t.get("output_ids") or [])
-                  for t in row["turns"]), default=0) for row in rows]
+                  for t in full_contexts(row["turns"])), default=0) for row in rows]
     failed = [_failure(row) for row in rows]
     drawn = _pass_at_1(out, f"{name}-sampled")
     return (f"| {name} | {s['pass@1']:.3f} | {'-' if drawn is None else f'{drawn:.3f}'} | "

@@ -219,10 +219,10 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
             if rl.eval_every and (step + 1) % rl.eval_every == 0:
                 metrics.update(loop.run(evaluate_prompts(
                     task.eval_agent, engines.policy, task.score, task.held_out)))
+            _dump(out / "trajectories.jsonl", step + 1, trajs)  # inside the step's time
             metrics.update({"entropy_coef": coef, "time/train": times.get("train", 0.0),
                             "time/sync": times["sync"], "time/step": time.perf_counter() - t0,
                             "batch/sequences": float(batch.rows if batch else 0)})
-            _dump(out / "trajectories.jsonl", step + 1, trajs)
             logger.log(step + 1, metrics, console_keys=CONSOLE)
             rows.append(metrics)
             if save:

@@ -180,11 +180,14 @@ def test_eval_steps_reports_per_step_accuracy_under_teacher_forcing(tmp_path):
     assert tok.convert_tokens_to_ids("Some_Name") == name
     wrong[2] = name
     tok.save_pretrained(tmp_path / "m")
+    # later turns as a dump writes them: the 4 ids they share with the previous feed
     rows = [{"turns": [
         {"role": "planner", "context_ids": ctx, "output_ids": greedy,
          "tool_calls": [{"name": "search", "arguments": {}}]},
-        {"role": "synthesizer", "context_ids": ctx, "output_ids": wrong, "tool_calls": []},
-        {"role": "planner", "context_ids": ctx, "output_ids": [], "tool_calls": []}]}]
+        {"role": "synthesizer", "context_ids": [], "context_shared": 4, "output_ids": wrong,
+         "tool_calls": []},
+        {"role": "planner", "context_ids": [], "context_shared": 4, "output_ids": [],
+         "tool_calls": []}]}]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "eval-steps", "--model-dir",
                            str(tmp_path / "m"), "--trajectories", str(tmp_path / "t.jsonl"),

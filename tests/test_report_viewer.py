@@ -85,6 +85,9 @@ def test_view_row_places_summaries_and_drops_token_ids() -> None:
     assert call["args"] == '{"query": "La Marseillaise country"}'
     assert call["obs_chars"] > len(call["obs"]) > 0 and "clipped" in call["obs"]
     assert "context_ids" not in json.dumps(v) and "facts" in v["extra"]
+    # each later turn is dumped as the 4 ids it shares with the previous feed: whole lengths
+    assert rows()[0]["turns"][1]["context_ids"] == [] and [t["context"] for t in v["turns"]] \
+        == [4] * 5
     bad = view_row(rows()[2])
     assert bad["outcome"] == "unjudged" and bad["status"] == "search_error"
     assert bad["turns"][0]["calls"][0]["error"] == "search_error"

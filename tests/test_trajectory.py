@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from megatron_rl.records.trajectory import ToolCall, Trajectory, Turn
+from megatron_rl.records.trajectory import (
+    CONTEXT_SHARED,
+    ToolCall,
+    Trajectory,
+    Turn,
+    full_contexts,
+)
 
 
 def _turn(role, context, output, obs=(), version=3):
@@ -53,6 +59,49 @@ def test_round_trips_through_dict():
     turn.tool_calls.append(ToolCall("search", {"query": "x"}, observation="results"))
     traj = Trajectory("u", "g", "q", reference="a", turns=[turn], rewards={"outcome": 1.0})
     assert Trajectory.from_dict(traj.to_dict()) == traj
+
+
+def test_a_dumped_turn_holds_only_the_context_the_previous_feed_did_not():
+    react = [_turn("agent", [1, 2, 3], [10, 11], obs=[90, 91]),
+             _turn("agent", [1, 2, 3, 10, 11, 90, 91, 5], [12, 13], obs=[92]),
+             _turn("agent", [1, 2, 3, 10, 11, 90, 91, 5, 12, 13, 92], [14])]
+    fresh = [_turn("planner", [1, 2, 3], [5, 6]),
+             _turn("synthesizer", [1, 2, 7, 8], [9]),  # shares the opening [1, 2]
+             _turn("planner", [4, 2], [6])]           # shares nothing
+    for turns, contexts, shared in (
+            (react, [[1, 2, 3], [5], []], [None, 7, 11]),
+            (fresh, [[1, 2, 3], [7, 8], [4, 2]], [None, 2, None])):
+        traj = Trajectory("u", "g", "q", turns=turns)
+        row = json.loads(json.dumps(traj.to_dict()))
+        assert [t["context_ids"] for t in row["turns"]] == contexts
+        assert [t.get(CONTEXT_SHARED) for t in row["turns"]] == shared
+        assert Trajectory.from_dict(row) == traj
+        assert [t["context_ids"] for t in full_contexts(row["turns"])] == \
+            [t.context_ids for t in turns]
+        assert CONTEXT_SHARED in json.dumps(row)  # the input is not changed in place
+
+
+def test_a_row_with_full_contexts_still_loads():
+    turns = [_turn("agent", [1, 2], [3], obs=[4]), _turn("agent", [1, 2, 3, 4], [5])]
+    old = {"uid": "u", "group_id": "g", "question": "q",
+           "turns": [t.to_dict() for t in turns]}  # as dumps were written before
+    assert Trajectory.from_dict(old).turns == turns
+    assert full_contexts(old["turns"]) is old["turns"]
+
+
+@pytest.mark.parametrize("bad", [-1, 6, True, "3", None])
+def test_a_shared_count_that_does_not_fit_is_refused_naming_the_turn(bad):
+    row = Trajectory("u", "g", "q", turns=[_turn("agent", [1, 2], [3], obs=[4]),
+                                           _turn("agent", [1, 2, 3, 4], [5])]).to_dict()
+    assert row["turns"][1][CONTEXT_SHARED] == 4
+    row["turns"][1][CONTEXT_SHARED] = bad
+    with pytest.raises(ValueError, match=r"turns\[1\]\.context_shared: expected an integer "
+                                         r"from 0 to 4"):
+        Trajectory.from_dict(row)
+    first = Trajectory("u", "g", "q", turns=[_turn("agent", [1, 2], [3])]).to_dict()
+    first["turns"][0][CONTEXT_SHARED] = 1  # nothing came before the first turn
+    with pytest.raises(ValueError, match=r"turns\[0\]\.context_shared"):
+        Trajectory.from_dict(first)
 
 
 def test_misaligned_turn_is_refused():

@@ -17,6 +17,14 @@ environment's fault (the RL loss leaves them out), model failures are the policy
 their reward). A context that overflows (`overlong`: mostly long observations) is charged to the
 environment; a single response longer than any may be (`response_too_long`) to the policy.
 
+In `Trajectory.to_dict()` a turn's context is written as what it shares with the previous
+turn's feed (its context, output and observation) plus the rest: `context_shared` N means the
+first N tokens of that feed come first, `context_ids` holds the tokens after them. A ReAct
+conversation re-feeds its whole history every turn, so full contexts made a dump grow with
+the square of the turns (3 turns of the tiny run: 2.5x the ids; 30 turns of 16k tokens:
+~15x). `from_dict` and `full_contexts` (for readers of the raw rows) expand them; a row
+without the field holds full contexts, as every dump before it did.
+
 `to_dict()` is plain JSON that `json.dumps(..., allow_nan=False)` always writes: the agents'
 parser already bounds and checks model-written tool arguments (`agents.tool_parser`), and
 `to_dict` passes them through `json_safe` again, so a `ToolCall` built anywhere else cannot
@@ -41,6 +49,7 @@ MODEL_FAILURES = ("degenerate", "tool_parse_error", "max_turns", "excess_tool_ca
                   "response_too_long", "repeated_state")
 LABELS = ENV_FAILURES + MODEL_FAILURES
 MAX_JSON_DEPTH = 32  # json_safe: deeper data is cut (the parser already allows only 16 levels)
+CONTEXT_SHARED = "context_shared"  # a dumped turn's context: this many of the last feed's ids
 
 
 def _text(s: str) -> str:
@@ -248,16 +257,27 @@ class Trajectory:
         return out
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data; each turn's context after the first as what it shares with the
+        previous turn's feed and the rest (`CONTEXT_SHARED`, the module's docstring)."""
         shallow = copy.copy(self)
         shallow.turns, shallow.rewards, shallow.metadata = [], {}, {}
+        turns, fed = [], None
+        for turn in self.turns:
+            row = turn.to_dict()
+            shared = 0 if fed is None else _shared_prefix(fed, turn.context_ids)
+            if shared:
+                row["context_ids"] = row["context_ids"][shared:]
+                row[CONTEXT_SHARED] = shared
+            turns.append(row)
+            fed = [*turn.context_ids, *turn.output_ids, *turn.observation_ids]
         return {**asdict(shallow), "rewards": json_safe(self.rewards),
-                "metadata": json_safe(self.metadata), "turns": [t.to_dict() for t in self.turns]}
+                "metadata": json_safe(self.metadata), "turns": turns}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
         """The inverse of `to_dict` (non-finite log-probs and rewards come back as floats)."""
         turns = []
-        for t in d.get("turns", []):
+        for t in full_contexts(d.get("turns", [])):
             fields = {**t, "tool_calls": [ToolCall(**c) for c in t.get("tool_calls", [])]}
             if isinstance(t.get("output_logprobs"), list):
                 fields["output_logprobs"] = _floats_in(t["output_logprobs"])
@@ -268,3 +288,46 @@ class Trajectory:
         if "rewards" in d:
             out["rewards"] = _rewards_in(d["rewards"])
         return cls(**out)
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many ids `a` and `b` share from their starts (a C-speed compare when one extends
+    the other, ReAct's case; numpy's otherwise)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    import numpy as np
+
+    return int(np.argmax(np.asarray(a[:n]) != np.asarray(b[:n])))
+
+
+def full_contexts(turns: Any) -> Any:
+    """A dumped trajectory's turn dicts with every `context_ids` whole (`CONTEXT_SHARED`
+    expanded; new dicts, the input is left as it is). Anything but a list of dicts comes back
+    as it is, for the caller's own checks; a shared count that does not fit the previous
+    turn's feed is a ValueError naming the turn."""
+    if not isinstance(turns, list) or not any(
+            isinstance(t, dict) and CONTEXT_SHARED in t for t in turns):
+        return turns
+    out, fed = [], []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            return turns
+        t = dict(t)
+        shared = t.pop(CONTEXT_SHARED, 0)
+        if not (isinstance(shared, int) and not isinstance(shared, bool)
+                and 0 <= shared <= len(fed)):
+            raise ValueError(f"turns[{i}].{CONTEXT_SHARED}: expected an integer from 0 to "
+                             f"{len(fed)} (the previous turn's context + output + "
+                             f"observation ids), got {str(shared)[:40]}")
+        tail = t.get("context_ids")
+        if shared and isinstance(tail, list):
+            t["context_ids"] = fed[:shared] + tail
+        out.append(t)
+        fed = [*_ids(t.get("context_ids")), *_ids(t.get("output_ids")),
+               *_ids(t.get("observation_ids"))]
+    return out
+
+
+def _ids(value: Any) -> list:
+    return value if isinstance(value, list) else []

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.records.trajectory import ENV_FAILURES, MODEL_FAILURES, json_safe
+from megatron_rl.records.trajectory import CONTEXT_SHARED, ENV_FAILURES, MODEL_FAILURES, json_safe
 
 MAX_TEXT_CHARS = 12_000        # a turn's text, an answer, a summary
 MAX_OBSERVATION_CHARS = 3_000  # a tool call's observation (search results, a page)
@@ -129,11 +129,20 @@ def _turn(t: dict[str, Any], i: int, per_traj_adv: Any, limits: tuple[int, int, 
     return {"role": _clip(t.get("role") or "?", 60), "text": _clip(t.get("text"), limits[0]),
             "finish": _clip(t.get("finish_reason") or "", 40),
             "tokens": len(ids) if isinstance(ids, list) else None,
-            "context": len(t["context_ids"]) if isinstance(t.get("context_ids"), list) else None,
+            "context": _context_length(t),
             "labels": _strings(t.get("labels")), "rewards": _numbers(t.get("rewards")),
             "adv": _advantage(t, i, per_traj_adv),
             "calls": [_call(c, limits) for c in calls] if isinstance(calls, list) else [],
             "summary": None}
+
+
+def _context_length(t: dict[str, Any]) -> int | None:
+    """A turn's context length; a dumped turn holds the ids after the `CONTEXT_SHARED`
+    ones it shares with the previous turn's feed."""
+    ids, shared = t.get("context_ids"), t.get(CONTEXT_SHARED, 0)
+    if not isinstance(ids, list):
+        return None
+    return len(ids) + (shared if isinstance(shared, int) and shared > 0 else 0)
 
 
 def view_row(row: dict[str, Any], *, pass_threshold: float = PASS_THRESHOLD,
