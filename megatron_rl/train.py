@@ -192,7 +192,8 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
                           overlong_buffer=rl.overlong_buffer)
             batch, adv_metrics = rl_batch(trajs, rl, seq_length=cfg.model.seq_length,
                                           rows_multiple=info["dp"] * cfg.train.micro_batch_size,
-                                          pad_id=pad_id(tokenizer))
+                                          pad_id=pad_id(tokenizer),
+                                          fit_multiple=info["seq_multiple"])
             metrics.update(adv_metrics)
             save, export = checkpoint_due(cfg.checkpoint, step + 1, cfg.train.steps)
             # taken before the next step's collect may move it: a resume collects that again

@@ -166,3 +166,27 @@ def test_row_blocks_and_kept_logits_give_the_same_values_bit_for_bit(monkeypatch
     assert logprobs._row_cuts(9, vocab) == [4]  # blocks 0-3 and 4-8: no lone 9th row
     assert logprobs._row_cuts(10, vocab) == [4, 8]
     assert logprobs._row_cuts(9, 1) == []
+
+
+def test_a_batch_fits_its_longest_sequence_rounded_to_the_trainers_multiple():
+    from megatron_rl.algorithms.rdpo import token_advantages
+    from megatron_rl.algorithms.reward_managers import turn_advantages
+    from megatron_rl.trainer.batching import build_batch
+    from tests.rl_cases import SEQ, group_of_rollouts
+
+    trajs = group_of_rollouts()  # 20, 22, 24 and 26 tokens
+    adv, _ = turn_advantages("grpo", trajs)
+    seqs = [t.sequences()[0] for t in trajs]
+    per_token = [token_advantages([s], a)[0] for s, a in zip(seqs, adv, strict=True)]
+    full = build_batch(seqs, per_token, seq_length=SEQ, pad_id=0, rows_multiple=2)
+    assert full.seq_length == SEQ
+    for multiple, inputs in ((None, SEQ), (1, 25), (4, 28), (8, 32), (64, SEQ)):
+        fit = build_batch(seqs, per_token, seq_length=SEQ, pad_id=0, rows_multiple=2,
+                          fit_multiple=multiple)
+        assert fit.seq_length == inputs and fit.rows == full.rows
+        for name in ("input_ids", "labels", "loss_mask"):
+            assert torch.equal(getattr(fit, name), getattr(full, name)[:, :inputs])
+        assert fit.extras.keys() == full.extras.keys()
+        for k, v in fit.extras.items():
+            assert torch.equal(v, full.extras[k][:, :inputs])
+        assert not full.loss_mask[:, inputs:].any()  # nothing trained was cut

@@ -34,8 +34,10 @@ def test_small_jobs_are_pickled_once_inline_and_large_tensors_still_arrive(pool2
     """A job up to INLINE_BYTES goes to every rank as one inline pickle (an RL step's batch),
     a tensor that is its whole storage as raw bytes; a larger one as before, its tensors
     through shared memory, as is a job whose tensors share memory (torch's reduction keeps
-    them shared). Every one arrives bit for bit, strides and sharing as sent."""
+    them shared). Every one arrives bit for bit, strides and sharing as sent; a slice of a
+    larger storage arrives as its elements, contiguous."""
     from megatron_rl.distributed import worker_pool
+    from megatron_rl.records.batch import TokenBatch
 
     gen = torch.Generator().manual_seed(0)
     small = {"ids": torch.randint(0, 640, (8, 600), generator=gen),
@@ -50,6 +52,14 @@ def test_small_jobs_are_pickled_once_inline_and_large_tensors_still_arrive(pool2
     assert worker_pool._inline((_fingerprint, (large,), {})) is None
     for job in (small, shared, large):
         assert pool2.run(_fingerprint, job) == [_fingerprint(job)] * 2
+    sliced = {"cols": torch.randn(8, 601, generator=gen)[:, 1:], "row": base[3]}
+    got = pool2.run(_fingerprint, sliced)
+    assert got == [_fingerprint({k: t.contiguous() for k, t in sliced.items()})] * 2
+    # an RL batch (its loss mask is a slice) goes without torch.save / torch.load
+    batch = TokenBatch.from_sequences(torch.zeros(2, 9, dtype=torch.long), torch.ones(2, 9),
+                                      advantages=torch.ones(2, 9))
+    assert not batch.loss_mask.is_contiguous()
+    assert b"_load_from_bytes" not in worker_pool._inline((_fingerprint, (batch,), {}))
     assert _fingerprint(shared)["distinct storages"] == 1
 
 

@@ -30,14 +30,20 @@ from megatron_rl.records.trajectory import TrainingSequence, Trajectory
 
 
 def build_batch(sequences: Sequence[TrainingSequence], advantages: Sequence[SequenceAdvantages],
-                *, seq_length: int, pad_id: int, rows_multiple: int = 1) -> TokenBatch:
+                *, seq_length: int, pad_id: int, rows_multiple: int = 1,
+                fit_multiple: int | None = None) -> TokenBatch:
     """A [rows, seq_length] batch; a sequence longer than seq_length + 1 tokens is an error
-    naming it (the agent's context limit should have stopped it)."""
+    naming it (the agent's context limit should have stopped it). `fit_multiple` (the
+    trainer's sequence multiple): only as many positions as the longest sequence needs,
+    rounded up to it; a step of short episodes then ships and pads no 1,024-wide rows."""
     if len(sequences) != len(advantages):
         raise ValueError(f"{len(sequences)} sequences but {len(advantages)} advantage rows")
     if not sequences:
         raise ValueError("no sequences to train on")
     width = seq_length + 1
+    if fit_multiple:  # the inputs (a token fewer) rounded up, and the last target
+        inputs = max(len(s.tokens) for s in sequences) - 1
+        width = min(width, -(-inputs // fit_multiple) * fit_multiple + 1)
     rows = -(-len(sequences) // rows_multiple) * rows_multiple
     tokens = torch.full((rows, width), pad_id, dtype=torch.long)
     mask = torch.zeros(rows, width)
@@ -76,10 +82,11 @@ def routed_experts(sequences: Sequence[TrainingSequence], rows: int, width: int)
 
 
 def rl_batch(trajectories: Sequence[Trajectory], rl: RLConfig, *, seq_length: int,
-             rows_multiple: int, pad_id: int = 0) -> tuple[TokenBatch | None, dict[str, float]]:
+             rows_multiple: int, pad_id: int = 0, fit_multiple: int | None = None
+             ) -> tuple[TokenBatch | None, dict[str, float]]:
     """A step's judged (and shaped, `rewards.shaping`) trajectories → per-turn advantages
-    (`rl.reward_manager`) → the trainer's batch; None when no sequence was generated (e.g.
-    every prompt overflowed the context)."""
+    (`rl.reward_manager`) → the trainer's batch (`build_batch`); None when no sequence was
+    generated (e.g. every prompt overflowed the context)."""
     per_turn, metrics = turn_advantages(
         rl.reward_manager, trajectories, estimator=rl.estimator,
         exclude_max_turns_from_loss=rl.exclude_max_turns_from_loss,
@@ -105,4 +112,4 @@ def rl_batch(trajectories: Sequence[Trajectory], rl: RLConfig, *, seq_length: in
     if not seqs:
         return None, metrics
     return build_batch(seqs, per_token, seq_length=seq_length, pad_id=pad_id,
-                       rows_multiple=rows_multiple), metrics
+                       rows_multiple=rows_multiple, fit_multiple=fit_multiple), metrics

@@ -75,8 +75,10 @@ class TrainerWorker:
         return reference
 
     def describe(self) -> dict[str, Any]:
-        """The layout the driver needs and the progress of a resumed run."""
-        return {"dp": self.actor.layout.dp, "progress": self.progress}
+        """The layout the driver needs (DP ranks; the multiple a sequence's length is padded
+        to) and the progress of a resumed run."""
+        return {"dp": self.actor.layout.dp, "seq_multiple": self.actor.seq_multiple,
+                "progress": self.progress}
 
     def connect(self, urls: list[str]) -> None:
         """Point weight sync at the engines (they may restart on new ports between runs)."""
