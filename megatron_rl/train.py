@@ -80,6 +80,17 @@ def _timed(times: dict[str, float], key: str, call: Any, *args: Any) -> Any:
     return run
 
 
+def _sync(trainer: RankObjects, engines: Engines, version: int, hold: bool) -> list[Any]:
+    """The ranks push their weights as `version`. `hold`: they write the in-process engine's
+    parameters in place, so this process holds it around the writes and commits the version
+    after them: no begin and commit round trips through its HTTP server, no rendezvous of
+    the ranks (of the tiny run's ~4 ms sync, ~2.5)."""
+    if not hold:
+        return trainer.call("sync", version)
+    with engines.core.weights_held(version) as segment:
+        return trainer.call("sync", version, [segment])
+
+
 def _slowest(per_rank: list[Any]) -> Any:
     """Rank 0's metrics with each `time/` entry the slowest rank's: the step waits for it (DP
     ranks train on different token counts)."""
@@ -163,8 +174,8 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
         cleanup.callback(loop.run, engines.aclose())
         task = build_task(cfg, tokenizer, out, engines.aux_urls)
         cleanup.callback(loop.run, task.aclose())
-        trainer.call("connect", engines.urls)
-        trainer.call("sync", start)
+        hold = all(trainer.call("connect", engines.urls)) and engines.core is not None
+        _sync(trainer, engines, start, hold)
         colocated = engines.schedule is not None and engines.schedule.enabled
         if colocated:  # the engines have the GPUs for the first rollout
             trainer.call("offload")
@@ -202,7 +213,7 @@ def train(cfg: Config, group: SPMDGroup) -> list[dict[str, Any]]:
             # engine weights → sync → engine KV cache (engines/colocation.py)
             times: dict[str, float] = {}
             update = _timed(times, "train", trainer.call, "update", batch, coef)
-            sync = _timed(times, "sync", trainer.call, "sync", step + 1)
+            sync = _timed(times, "sync", _sync, trainer, engines, step + 1, hold)
             ahead = None
             if rl.sampling.one_step_off_policy and step + 1 < cfg.train.steps:
                 updated, ahead = loop.run(_alongside(update, _collect(scheduler, step + 1,

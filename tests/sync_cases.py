@@ -36,6 +36,37 @@ def _broadcast(obj):
     return box[0]
 
 
+def trainer_logprobs(actor, ids: list[int]) -> list[float]:
+    tokens = torch.tensor([PROMPT + ids] * 2)
+    logp, _ = actor.compute_logprobs(TokenBatch.from_sequences(tokens))
+    return logp[0, len(PROMPT) - 1:].tolist()
+
+
+_KEPT: dict = {}  # a rank's actor and syncer between the jobs of one test
+
+
+def stepped_syncer(overrides: list[str], init: str, url: str) -> bool:
+    """An actor one optimizer step past `init` and its one-copy syncer, kept on the rank for
+    `kept_sync` / `kept_logprobs`; whether the ranks write the engine's parameters."""
+    actor = dist_cases.make_actor(["model.seq_length=24", "train.global_batch_size=2",
+                                   *overrides])
+    load_checkpoint(actor, init, optimizer=False, rng=False)
+    actor.train_step(dist_cases.fixed_batch(rows=2, seq=24), lm_loss)
+    syncer = WeightSyncer(gatherer_for(actor), [url], transport="tensor")
+    _KEPT.update(actor=actor, syncer=syncer)
+    return syncer.shares_parameters()
+
+
+def kept_sync(version: int, held: list[str] | None) -> int:
+    return _KEPT["syncer"].sync(version, held).tensors
+
+
+def kept_logprobs(ids: list[int]) -> list[float]:
+    """The kept actor's log-probs of PROMPT + ids; drops what was kept."""
+    _KEPT.pop("syncer").close()
+    return trainer_logprobs(_KEPT.pop("actor"), ids)
+
+
 def step_sync_probe(overrides: list[str], init: str, url: str, transport: str,
                     version: int, disk_dir: str, sync_first: bool = False) -> dict:
     """One optimizer step, then: engine log-probs before the sync, sync, engine log-probs after;
@@ -57,12 +88,7 @@ def step_sync_probe(overrides: list[str], init: str, url: str, transport: str,
         stats = syncer.sync(version)
     after = _broadcast(_generate(url) if dist.get_rank() == 0 else None)
 
-    def trainer_logprobs(ids: list[int]) -> list[float]:
-        tokens = torch.tensor([PROMPT + ids] * 2)
-        logp, _ = actor.compute_logprobs(TokenBatch.from_sequences(tokens))
-        return logp[0, len(PROMPT) - 1:].tolist()
-
-    return {"before": before, "after": after, "trainer_before": trainer_logprobs(before[0]),
-            "trainer_after": trainer_logprobs(after[0]), "tensors": stats.tensors,
+    return {"before": before, "after": after, "trainer_before": trainer_logprobs(actor, before[0]),
+            "trainer_after": trainer_logprobs(actor, after[0]), "tensors": stats.tensors,
             "bytes": stats.bytes, "reduced_layers": stats.extra["reduced_layers"],
             "reduces": syncer.gatherer.reduces(syncer.one_sender)}

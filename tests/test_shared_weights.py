@@ -163,11 +163,13 @@ def test_a_split_qkv_is_written_from_views_of_the_fused_tensor() -> None:
         assert _viewed_as(torch.zeros(hf[name].shape[0] + 1, hf[name].shape[1]), t) is None
 
 
-def test_no_token_decodes_with_half_written_weights(models, tmp_path) -> None:
+@pytest.mark.parametrize("window", ["syncer", "owner"])
+def test_no_token_decodes_with_half_written_weights(models, tmp_path, window) -> None:
     """Requests decode while the trainer syncs 8 times, alternating two weight sets. Every
     token carries a version; tokens before a request's first switch (its KV cache built by one
     set only) must equal that set's full forward: a step that ran during a write would match
-    neither set."""
+    neither set. The write window is the syncer's own (HTTP begin / commit) or held by the
+    engine's owner in its process (`EmbeddedCore.weights_held`, as the RL driver does)."""
     base, new = models
     sets = {0: base, 1: new}
     named = {i: checkpoint_tensors(m, tmp_path / str(i)) for i, m in sets.items()}
@@ -179,7 +181,11 @@ def test_no_token_decodes_with_half_written_weights(models, tmp_path) -> None:
         with WeightSyncer(gatherer, [url], transport="tensor") as syncer:
             for version in range(1, 9):
                 gatherer.named = named[version % 2]
-                syncer.sync(version)
+                if window == "owner":
+                    with srv.core.weights_held(version) as segment:
+                        syncer.sync(version, [segment])
+                else:
+                    syncer.sync(version)
                 done.wait(0.15)  # let batches decode between syncs
 
     with EmbeddedServer(copy.deepcopy(base), max_batch_size=6).start() as srv:
@@ -207,6 +213,39 @@ def test_no_token_decodes_with_half_written_weights(models, tmp_path) -> None:
         checked += first
     assert max(v for out in outs for v in out.weight_versions) == 8
     assert spanning >= 1 and checked > 100  # in-flight requests crossed syncs
+
+
+def test_an_owner_window_left_by_a_failed_write_stays_held_until_the_next(models,
+                                                                           tmp_path) -> None:
+    """A block of `weights_held` that raises leaves the engine held (no step decodes from
+    half-written weights); the next window writes, commits and lets decoding go on. A syncer
+    that writes no parameters in place has no window to be given."""
+    base, new = models
+    named = checkpoint_tensors(new, tmp_path / "new")
+    with EmbeddedServer(copy.deepcopy(base)).start() as srv:
+        core = srv.core
+        with WeightSyncer(HFGatherer(named), [srv.url], transport="tensor") as syncer:
+            assert syncer.shares_parameters()
+            with pytest.raises(RuntimeError, match="mid-write"):
+                with core.weights_held(1) as segment:
+                    raise RuntimeError("the trainer died mid-write")
+            assert core.writing and core.weight_version != "1"
+            with core.weights_held(2) as segment:
+                stats = syncer.sync(2, [segment])
+            assert not core.writing and stats.extra["unshared"] == 0
+        with WeightSyncer(HFGatherer(named), [srv.url], transport="tensor",
+                          one_copy=False) as bucketed:
+            assert not bucketed.shares_parameters()
+            with pytest.raises(ValueError, match="nothing to hold"):
+                bucketed.sync(3, [segment])
+
+        async def probe():
+            async with HttpEngine(srv.url) as eng:
+                return await eng.generate(GenerateRequest("p", PROMPTS[0], greedy(8)))
+
+        out = asyncio.run(probe())
+    assert out.weight_versions == [2] * 8
+    assert out.output_ids == hf_greedy(new, PROMPTS[0], 8)
 
 
 def test_a_hostile_layout_is_refused_naming_the_field(tmp_path) -> None:

@@ -37,6 +37,29 @@ def initial(tmp_path_factory):
     return init, hf
 
 
+def test_an_engine_held_by_its_owner_takes_the_writes_of_both_ranks(initial):
+    """The run's driver holds its in-process engine (`EmbeddedCore.weights_held`) while both
+    EP ranks write their experts into its parameters (`sync(held=...)`: no begin, commit or
+    rendezvous of their own); the version moves when the block ends, and the engine then
+    serves the trainer's weights."""
+    init, hf = initial
+    pool = get_pool(2)
+    with EmbeddedServer.from_pretrained(str(hf)).start() as server:
+        core = server.core
+        assert pool.run(sync_cases.stepped_syncer, ["parallel.ep=2"], init,
+                        server.url) == [True, True]
+        with core.weights_held(7) as segment:
+            assert core.writing and segment == core.shared.memory.label
+            sent = pool.run(sync_cases.kept_sync, 7, [segment])
+            assert core.weight_version != "7"  # committed by the owner, after the writes
+        assert not core.writing and core.weight_version == "7"
+        ids, logprobs, versions = sync_cases._generate(server.url)
+    trainer = pool.run(sync_cases.kept_logprobs, ids)[0]
+    assert all(n > 0 for n in sent) and sum(sent) == _hf_tensors(hf)  # each its experts
+    assert versions == [7] * sync_cases.NEW_TOKENS
+    assert max(abs(a - b) for a, b in zip(logprobs, trainer, strict=True)) <= TOL
+
+
 def _hf_tensors(folder) -> int:
     from safetensors import safe_open
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import collections
 import concurrent.futures
+import contextlib
 import difflib
 import functools
 import inspect
@@ -20,7 +21,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1079,6 +1080,17 @@ class EmbeddedCore:
         if self.shared is None:
             self.shared = SharedWeightStore(self.model, self.weights.map)
         return self.shared.layout()
+
+    @contextlib.contextmanager
+    def weights_held(self, version: Any, timeout_s: float = 120.0) -> Iterator[str]:
+        """From any thread but the scheduler's: no step runs in the block, whose writer
+        writes the shared parameters in place, and `version` is committed when it ends: the
+        begin / commit of `/shared_weights/*` for the engine's own process (no HTTP round
+        trips). A block that raises leaves the engine held: half-written weights never
+        decode; the next window recovers it. Yields the shared memory's label."""
+        label = self.call(self.begin_weight_write).result(timeout_s)
+        yield label
+        self.call(lambda: self.commit_weight_write(version)).result(timeout_s)
 
     def begin_weight_write(self) -> str:
         """Hold every step until `commit_weight_write`: requests stay in flight, none decodes

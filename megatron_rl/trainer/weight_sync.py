@@ -404,7 +404,7 @@ class WeightSyncer:
         self.master_address, self.timeout_s = master_address, timeout_s
         self.one_copy, self.look_ahead = one_copy, look_ahead
         self._writers: list[SharedWeightWriter] | None = None
-        self._shared: bool | None = None  # several senders: all write the engines' memory
+        self._shared: bool | None = None  # every sender writes the engines' memory
         self.engines: list[HttpEngine] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         # the distributed transport's broadcast group has one source
@@ -419,12 +419,30 @@ class WeightSyncer:
                                        tensor_transport="shm" if _same_machine(u)
                                        else "safetensors") for u in urls]
 
-    def sync(self, weight_version: int) -> SyncStats:
+    def shares_parameters(self) -> bool:
+        """Collective: whether every sender writes straight into the engines' parameters
+        (each maps their shared memory; asked once). Then the engines' owner may hold them
+        for the writes itself (`sync(held=...)`)."""
+        if self._shared is None:
+            g = self.gatherer
+            sender = g.sends() if self.several else g.sends(self.one_sender)
+            mine = not sender or (self.transport == "tensor" and bool(self._shared_writers()))
+            self._shared = _all_ranks(g, mine)
+        return self._shared
+
+    def sync(self, weight_version: int, held: list[str] | None = None) -> SyncStats:
         """Collective: push the current weights with `weight_version`. Returns this rank's
-        time split (rank 0's is the one reported; a rank that sends nothing: its gather)."""
+        time split (rank 0's is the one reported; a rank that sends nothing: its gather).
+        `held`: the engines are already held for a write into their parameters, by their
+        owner (`EmbeddedCore.weights_held`: these are their segments' labels), who commits
+        the version once every rank returned; the ranks then only write (no begin, commit
+        or rendezvous of their own)."""
         t_start = time.perf_counter()
+        if held is not None and not self.shares_parameters():
+            raise ValueError("sync(held=...): the engines' parameters are not written in "
+                             "place (transport, fp8 or another machine): nothing to hold")
         if self.several:
-            return self._sync_by_owner(weight_version, t_start)
+            return self._sync_by_owner(weight_version, t_start, held)
         if not self.gatherer.sends(self.one_sender):
             for _ in self.gatherer.hf_tensors(self.dtype, self.one_sender):
                 pass  # take part in the reductions
@@ -436,7 +454,8 @@ class WeightSyncer:
         tensors = self.gatherer.hf_tensors(self.dtype, self.one_sender, grouped=bool(writers))
         ahead = self._ahead()
         if writers:
-            self.loop.run_until_complete(self._write_shared(writers, tensors, weight_version))
+            self.loop.run_until_complete(self._write_shared(
+                writers, tensors, None if held else weight_version, held))
         elif self.transport == "tensor":
             self.loop.run_until_complete(_push_tensors(
                 self.engines, ahead(buckets_with_last(tensors, self.bucket_bytes)),
@@ -470,25 +489,23 @@ class WeightSyncer:
             stats.transfer_s, stats.wall_s = ahead.caller_s, wall
         return stats
 
-    def _sync_by_owner(self, version: int, t_start: float) -> SyncStats:
+    def _sync_by_owner(self, version: int, t_start: float, held: list[str] | None
+                       ) -> SyncStats:
         """Several senders (each pipeline stage, each expert-parallel rank): rank 0 opens the
         update, every sender writes what it holds, and after a barrier rank 0 alone moves the
-        version."""
+        version (`held`: the engines' owner opened it and closes it)."""
         g, loop = self.gatherer, self.loop
         sender = g.sends()
         writers = self._shared_writers() if sender and self.transport == "tensor" else None
-        if self._shared is None:  # agreed once: a writer is mapped for good or raises
-            self._shared = self.transport == "tensor" and _all_ranks(
-                g, not sender or bool(writers))
-        shared = self._shared
+        shared = self.shares_parameters()  # agreed once: a writer is mapped for good or raises
         tensors = g.hf_tensors(self.dtype, self.one_sender, grouped=shared)
-        segments = None
-        if shared:  # the engines are paused before anyone writes: rank 0's word is awaited
+        segments = held
+        if held is None and shared:  # the engines are paused before anyone writes
             if g.rank == 0:
                 segments = loop.run_until_complete(
                     _on_all(self.engines, lambda e: e.begin_shared_write()))
             segments = self._segments_from_rank0(segments, writers)
-        else:
+        elif held is None:
             dist.barrier(group=g.group)
         sent, ahead = [0], None
         if not sender:
@@ -506,6 +523,8 @@ class WeightSyncer:
             loop.run_until_complete(_push_disk(
                 self.engines, ahead(split_buckets(tensors, self.bucket_bytes)), version,
                 self.disk_dir, _counted(sent, self.fp8), part=f"rank{g.rank:05d}-"))
+        if held is not None:  # the owner commits once every rank has returned
+            return self._timed(t_start, sent[0], ahead)
         dist.barrier(group=g.group)  # every sender's tensors are in
         if g.rank == 0:
             if shared:
@@ -736,6 +755,8 @@ def _from_rank0(gatherer: WeightGatherer, obj: Any) -> Any:
 
 
 def _all_ranks(gatherer: WeightGatherer, ok: bool) -> bool:
+    if not dist.is_initialized():  # one process, no group (a gatherer of plain tensors)
+        return ok
     flag = torch.tensor([int(ok)])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=gatherer.group)
     return bool(flag.item())

@@ -80,8 +80,10 @@ class TrainerWorker:
         return {"dp": self.actor.layout.dp, "seq_multiple": self.actor.seq_multiple,
                 "progress": self.progress}
 
-    def connect(self, urls: list[str]) -> None:
-        """Point weight sync at the engines (they may restart on new ports between runs)."""
+    def connect(self, urls: list[str]) -> bool:
+        """Point weight sync at the engines (they may restart on new ports between runs).
+        True when the ranks write the engines' parameters in place (`WeightSyncer.
+        shares_parameters`): their owner may then hold them for each sync."""
         if self.syncer is not None:
             self.syncer.close()
         self.syncer = WeightSyncer(gatherer_for(self.actor), urls,
@@ -89,11 +91,13 @@ class TrainerWorker:
                                    bucket_bytes=self.cfg.rollout.bucket_mb << 20,
                                    fp8=self.cfg.rollout.sync_fp8,
                                    look_ahead=self.cfg.rollout.sync_look_ahead)
+        return self.syncer.shares_parameters()
 
-    def sync(self, version: int) -> dict[str, float]:
+    def sync(self, version: int, held: list[str] | None = None) -> dict[str, float]:
+        """`held`: the engines' segments, held by their owner (`WeightSyncer.sync`)."""
         if self.syncer is None:
             raise RuntimeError("TrainerWorker.sync before connect()")
-        stats = self.syncer.sync(version)
+        stats = self.syncer.sync(version, held)
         return {"sync/seconds": stats.seconds, "sync/gather_s": stats.gather_s,
                 "sync/mb": stats.bytes / 1e6}
 
