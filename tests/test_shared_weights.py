@@ -59,6 +59,15 @@ class HFGatherer:
             yield name, t
 
 
+def greedy_probe(url: str, tokens: int):
+    """The engine's greedy answer to the first prompt, over HTTP."""
+    async def probe():
+        async with HttpEngine(url) as eng:
+            return await eng.generate(GenerateRequest("p", PROMPTS[0], greedy(tokens)))
+
+    return asyncio.run(probe())
+
+
 @pytest.fixture(scope="module")
 def models():
     base = tiny_model()
@@ -79,11 +88,7 @@ def test_one_copy_sync_writes_the_engines_parameters_in_place(models, tmp_path) 
         base_ptr = torch.frombuffer(srv.core.shared.memory.map, dtype=torch.uint8).data_ptr()
         ptrs = [p.data_ptr() for p in srv.core.model.parameters()]
 
-        async def probe():
-            async with HttpEngine(srv.url) as eng:
-                return await eng.generate(GenerateRequest("p", PROMPTS[0], greedy(12)))
-
-        out = asyncio.run(probe())
+        out = greedy_probe(srv.url, 12)
     assert layout["label"] == segment and layout["format"] == LAYOUT_FORMAT
     assert set(n for n, _ in named) <= set(layout["tensors"])  # every name written in place
     assert stats.extra["unshared"] == 0 and stats.tensors == len(named)
@@ -109,12 +114,7 @@ def test_an_engine_restarted_between_syncs_is_mapped_again(models, tmp_path) -> 
                 stats = syncer.sync(2)
                 assert syncer._writers[0].name != old
                 assert stats.extra["unshared"] == 0
-
-                async def probe():
-                    async with HttpEngine(second.url) as eng:
-                        return await eng.generate(GenerateRequest("p", PROMPTS[0], greedy(8)))
-
-                out = asyncio.run(probe())
+                out = greedy_probe(second.url, 8)
     assert out.weight_versions == [2] * 8
     assert out.output_ids == hf_greedy(new, PROMPTS[0], 8)
 
@@ -238,12 +238,7 @@ def test_an_owner_window_left_by_a_failed_write_stays_held_until_the_next(models
             assert not bucketed.shares_parameters()
             with pytest.raises(ValueError, match="nothing to hold"):
                 bucketed.sync(3, [segment])
-
-        async def probe():
-            async with HttpEngine(srv.url) as eng:
-                return await eng.generate(GenerateRequest("p", PROMPTS[0], greedy(8)))
-
-        out = asyncio.run(probe())
+        out = greedy_probe(srv.url, 8)
     assert out.weight_versions == [2] * 8
     assert out.output_ids == hf_greedy(new, PROMPTS[0], 8)
 
