@@ -142,7 +142,8 @@ def _context_length(t: dict[str, Any]) -> int | None:
     ids, shared = t.get("context_ids"), t.get(CONTEXT_SHARED, 0)
     if not isinstance(ids, list):
         return None
-    return len(ids) + (shared if isinstance(shared, int) and shared > 0 else 0)
+    counted = isinstance(shared, int) and not isinstance(shared, bool) and shared > 0
+    return len(ids) + (shared if counted else 0)
 
 
 def view_row(row: dict[str, Any], *, pass_threshold: float = PASS_THRESHOLD,
