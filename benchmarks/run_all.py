@@ -27,7 +27,7 @@ from results import parse
 HERE = Path(__file__).resolve().parent
 # name → quick arguments (each runs in a minute or two on 2 cores)
 BENCHMARKS: dict[str, list[str]] = {
-    "weight_sync": ["--transports", "one-copy,tensor", "--bucket-mb", "64",
+    "weight_sync": ["--transports", "one-copy,one-copy-held,tensor", "--bucket-mb", "64",
                     "--two-ranks", "ep2,pp2,tp2"],
     "megatron_cpu_step": [],
     "engine_vs_generate": ["--models", "tiny-moe,tiny-qwen3.5"],
