@@ -42,15 +42,20 @@ def trainer_logprobs(actor, ids: list[int]) -> list[float]:
     return logp[0, len(PROMPT) - 1:].tolist()
 
 
+def _loaded_actor(overrides: list[str], init: str):
+    actor = dist_cases.make_actor(["model.seq_length=24", "train.global_batch_size=2",
+                                   *overrides])
+    load_checkpoint(actor, init, optimizer=False, rng=False)
+    return actor
+
+
 _KEPT: dict = {}  # a rank's actor and syncer between the jobs of one test
 
 
 def stepped_syncer(overrides: list[str], init: str, url: str) -> bool:
     """An actor one optimizer step past `init` and its one-copy syncer, kept on the rank for
     `kept_sync` / `kept_logprobs`; whether the ranks write the engine's parameters."""
-    actor = dist_cases.make_actor(["model.seq_length=24", "train.global_batch_size=2",
-                                   *overrides])
-    load_checkpoint(actor, init, optimizer=False, rng=False)
+    actor = _loaded_actor(overrides, init)
     actor.train_step(dist_cases.fixed_batch(rows=2, seq=24), lm_loss)
     syncer = WeightSyncer(gatherer_for(actor), [url], transport="tensor")
     _KEPT.update(actor=actor, syncer=syncer)
@@ -75,9 +80,7 @@ def step_sync_probe(overrides: list[str], init: str, url: str, transport: str,
     the look-ahead is for).
     `sync_first`: the same syncer also syncs once before the step (version - 1), so the
     second sync shows what a run's later syncs send."""
-    actor = dist_cases.make_actor(["model.seq_length=24", "train.global_batch_size=2",
-                                   *overrides])
-    load_checkpoint(actor, init, optimizer=False, rng=False)
+    actor = _loaded_actor(overrides, init)
     one_copy = transport != "tensor-http"  # the bucketed tensor path even on loopback
     with WeightSyncer(gatherer_for(actor), [url], transport=transport.removesuffix("-http"),
                       bucket_bytes=64 << 10, disk_dir=disk_dir, one_copy=one_copy) as syncer:
