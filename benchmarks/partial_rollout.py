@@ -11,9 +11,13 @@ prefill longer contexts. The draw is the same in both modes (same prompt stream,
 Method. One process runs the real stack: a `RolloutScheduler` with its rollout forest, the
 `RuleJudge`, an agent defined here (`HeavyTailAgent`: implements the `Agent` protocol, commits
 after every finished message and continues from `resume=(traj, state)`), and the embedded
-engine (continuous batching, real tokens from the random-weight `tiny-moe` over HTTP through
-`HttpEngine`). Two schedulers share the engine and are stepped alternately (sync, partial;
-then partial, sync; ...) so load from other processes hits both alike:
+engine (continuous batching, real tokens from the random-weight `tiny-moe`). The scheduler
+speaks to it through the client the RL driver uses for an embedded engine in its process
+(`InProcessEngine`: POST /generate's body and answer without the HTTP round trip);
+`--client http` puts `HttpEngine` in its place, whose server thread then shares this process's
+interpreter with the engine (no deployment does that: an engine behind HTTP runs in its own
+process). Two schedulers share the engine and are stepped alternately (sync, partial; then
+partial, sync; ...) so load from other processes hits both alike:
 
 - synchronous: oversample 1.0, no partial rollout: a step waits for all its groups;
 - partial:     oversample 2.0, partial rollout: the step ends once `groups_per_step` groups are
@@ -62,6 +66,7 @@ class BenchConfig:
     tokens: int = 16           # new tokens per message (ignore_eos)
     seed: int = 0
     threads: int = 1           # torch threads of the engine
+    client: str = "in-process"  # or "http": how the schedulers reach the engine
 
 
 def pareto_messages(alpha: float, cap: int, seed: int, prompt_uid: str, index: int) -> int:
@@ -280,12 +285,13 @@ async def _step(sched: Any, engine: Any, core: Any, meter: EngineMeter,
 
 async def _run(cfg: BenchConfig, server: Any, meter: EngineMeter, tokenizer: Any
                ) -> dict[str, ModeResult]:
+    from megatron_rl.engines.embedded import InProcessEngine
     from megatron_rl.engines.http_client import HttpEngine
     from megatron_rl.rewards.composite import score_group
     from megatron_rl.rewards.rule import RuleJudge
     from megatron_rl.rollout.scheduler import RolloutScheduler, SchedulerConfig
 
-    engine = HttpEngine(server.url)
+    engine = InProcessEngine(server) if cfg.client == "in-process" else HttpEngine(server.url)
     judge = RuleJudge()
     scheds, results = {}, {}
     for mode, (oversample, partial) in MODES.items():
@@ -350,8 +356,8 @@ def report(cfg: BenchConfig, results: dict[str, ModeResult], goal: float = 0.6) 
           f"uid, sample index, seed {cfg.seed}); median {d['median']}, mean {d['mean']:.2f}, "
           f"P(N >= 8) {100 * d['p_ge_8']:.1f} %, P(N = {cfg.cap}) {100 * d['p_cap']:.1f} %; "
           f"{cfg.tokens} tokens per message (ignore_eos), then the observation {OBSERVATION!r}")
-    print(f"setup: embedded engine (tiny-moe, random weights, {cfg.threads} torch thread(s)) "
-          f"over HTTP; {cfg.groups} groups x {cfg.samples} samples per step; {cfg.steps} "
+    print(f"setup: embedded engine (tiny-moe, random weights, {cfg.threads} torch thread(s)), "
+          f"{cfg.client} client; {cfg.groups} groups x {cfg.samples} samples per step; {cfg.steps} "
           f"measured steps per mode after {cfg.warmup} warm-up; modes interleaved step by step; "
           f"weight version bumped after every collect")
     print(f"{'mode':8s} {'oversample':>10s} {'partial':>7s} {'step s mean':>11s} "
@@ -415,13 +421,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="unmeasured steps per mode (1)")
     p.add_argument("--seed", type=int, default=None, help="draws and sampling seeds (0)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    p.add_argument("--client", choices=("in-process", "http"), default="in-process",
+                   help="the driver's in-process client, or HTTP to a server in this process")
     p.add_argument("--quick", action="store_true", help="smoke-test size (a few seconds)")
     a = p.parse_args()
     cfg = quick_config() if a.quick else BenchConfig()
     for name in ("steps", "groups", "samples", "alpha", "cap", "tokens", "warmup", "seed"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
-    cfg.threads = a.threads
+    cfg.threads, cfg.client = a.threads, a.client
     from results import emit  # benchmarks/ is on the path when run as a script
 
     emit("partial rollout / synchronous step time", report(cfg, run_benchmark(cfg)), 0.6,

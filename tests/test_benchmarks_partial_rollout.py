@@ -24,9 +24,11 @@ def bench():
         sys.modules.pop(spec.name, None)
 
 
-@pytest.fixture(scope="module")
-def results(bench):
-    return bench.run_benchmark(bench.quick_config())
+@pytest.fixture(scope="module", params=["in-process", "http"])
+def results(bench, request):
+    cfg = bench.quick_config()
+    cfg.client = request.param  # the driver's client, and HTTP to the same engine
+    return bench.run_benchmark(cfg)
 
 
 def test_quick_draws_cut_long_groups(bench):
