@@ -377,10 +377,11 @@ class RolloutConfig:
                                  "prefixes, shared openings and finished requests "
                                  "(engines/prefix_cache.py); SGLang keeps its radix cache")
     fast_output_layer: bool = bounded(
-        False, help="embedded engines: the vocabulary logits from a transposed copy of the "
-        "output weight (engines/output_layer.py; the quickstart's rollouts 0.77-0.86x their "
-        "time). Its logits differ from F.linear's by float rounding in ways that follow the prefix "
-        "cache's state, so a resumed run no longer repeats an uninterrupted one bit for bit")
+        False, help="embedded engines: the vocabulary logits of 1-3 rows from a transposed copy "
+        "of the output weight (engines/output_layer.py; the quickstart's rollouts 0.77-0.86x "
+        "their time). Its logits differ from F.linear's by float rounding in ways that follow "
+        "the prefix cache's state, so a resumed run no longer repeats an uninterrupted one bit "
+        "for bit")
     max_restarts: int = bounded(5, ge=0, help="engine process restarts per engine")
     health_interval_s: float = bounded(2.0, gt=0, help="how often an idle engine is checked")
     startup_timeout_s: float = bounded(600.0, gt=0)

@@ -405,8 +405,9 @@ class EmbeddedCore:
         # model's decode step is per-op overhead: 2 threads ran batches of 8-16 rows at 0.65-0.8x
         # the tokens/s of 1 (benchmarks/engine_vs_generate.py --threads)
         self.threads = threads
-        # opt-in (`rollout.fast_output_layer`): logits within float rounding of F.linear's
-        self.output_layer = (transpose_output_layer(model, threads) if fast_output_layer
+        # opt-in (`rollout.fast_output_layer`): logits of 1-3 rows within float rounding of
+        # F.linear's, F.linear's own from 4 rows on
+        self.output_layer = (transpose_output_layer(model) if fast_output_layer
                              else None)  # rebuilt on weight loads
         self.tokenizer = tokenizer
         cfg = model.config

@@ -1,14 +1,17 @@
-"""The embedded engine's output layer: vocabulary logits from a transposed copy of its weight
-(opt-in: `rollout.fast_output_layer`, `--fast-output-layer`).
+"""The embedded engine's output layer: vocabulary logits for 1-3 rows from a transposed copy
+of its weight (opt-in: `rollout.fast_output_layer`, `--fast-output-layer`).
 
-`F.linear(x, W)` on the [vocab, hidden] weight makes MKL pack the whole matrix for every call
-(`sgemm_scopy_right16`), and below 4 rows it takes a GEMV path that is slower still: for the
-quickstart's 34,048 x 128 layer on one thread, 2.6 / 4.3 / 7.0 / 3.0 / 4.1 ms at 1 / 2 / 3 / 4 /
-16 rows, where `x @ Wt` on a contiguous [hidden, vocab] copy took 0.5 / 0.9 / 1.3 / 1.8 / 3.0 ms
-(`benchmarks/output_layer.py`). From 4 rows on both run the same GEMM kernel and give the same
-logits bit for bit, which a probe checks before the swap; below 4 they differ by float rounding
-(as F.linear's own 1-3 rows differ from its 4). The copy costs the layer's bytes once more and
-is rebuilt after every weight update.
+Below 4 rows MKL takes a GEMV path for `F.linear(x, W)` on the [vocab, hidden] weight that
+can be far slower than its GEMM: for the quickstart's 34,048 x 128 layer on one thread, one
+host took 2.6 / 4.3 / 7.0 / 3.0 ms at 1 / 2 / 3 / 4 rows, where `x @ Wt` on a contiguous
+[hidden, vocab] copy took 0.5 / 0.9 / 1.3 / 1.8 ms; another took 0.36 / 0.59 / 1.0 ms with
+F.linear and 0.24 / 0.52 / 0.79 ms with the copy (`benchmarks/output_layer.py`). From 4 rows
+on both run MKL's GEMM, and the copy's gain is the host's: 1.4-1.7x at 4-16 rows on the
+first, 0.92-1.05x on the second, where the engine served 16 episodes 0.89-0.95x as fast with
+it. So the layer calls F.linear from 4 rows on: its bits on every host, and no choice made by
+timing. Below 4 the logits differ from F.linear's by float rounding (as F.linear's own 1-3
+rows differ from its 4). The copy costs the layer's bytes once more and is rebuilt after every
+weight update.
 
 Why it is not the default: with F.linear, every path to a prompt's logits (a full prefill, a
 suffix after a cached prefix, a one-token turn through the decode step) gives the same bits,
@@ -23,11 +26,12 @@ from __future__ import annotations
 import torch
 
 MAX_COPY_BYTES = 512 << 20  # a larger layer keeps F.linear rather than a second copy
-PROBE_ROWS = (4, 7, 16)     # where the swapped layer must match F.linear bit for bit
+COPY_BELOW_ROWS = 4         # MKL's GEMV path: fewer rows than this go through the copy
 
 
 class TransposedOutputLayer(torch.nn.Module):
-    """A bias-free linear layer computing `x @ weight.T` from a cached contiguous transpose.
+    """A bias-free linear layer computing `x @ weight.T`, for fewer than `COPY_BELOW_ROWS`
+    rows from a cached contiguous transpose (F.linear otherwise, and whenever it trains).
     It holds the Parameter of the layer it replaces (same name, values and storage, tying
     kept). The copy is rebuilt when the weight is written in place (its version counter moves,
     e.g. `p.add_()` under no_grad), moves (`p.data = ...`), or `refresh()` is called: the
@@ -45,7 +49,8 @@ class TransposedOutputLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if torch.is_grad_enabled() and w.requires_grad:  # training: the weight's gradient
+        if (x.numel() >= COPY_BELOW_ROWS * x.shape[-1]  # rows of any leading shape
+                or (torch.is_grad_enabled() and w.requires_grad)):  # training: w's gradient
             return torch.nn.functional.linear(x, w)
         now = (w._version, w.data_ptr())
         if self.transposed is None or now != self.made_from:
@@ -55,30 +60,14 @@ class TransposedOutputLayer(torch.nn.Module):
         return torch.matmul(x, self.transposed)
 
 
-def transpose_output_layer(model: torch.nn.Module, threads: int | None = None
-                           ) -> TransposedOutputLayer | None:
-    """Swap the model's `lm_head` (a bias-free nn.Linear) for a `TransposedOutputLayer` where
-    the probe finds its logits bit for bit F.linear's at `PROBE_ROWS` rows on `threads`
-    intra-op threads (the engine's: MKL splits the work, and so rounds, by thread count);
-    returns it, or None where the layer stays (another module, a bias, too large to copy, or
-    other logits)."""
+def transpose_output_layer(model: torch.nn.Module) -> TransposedOutputLayer | None:
+    """Swap the model's `lm_head` (a bias-free nn.Linear) for a `TransposedOutputLayer`;
+    returns it, or None where the layer stays (another module, a bias, too large to copy)."""
     head = getattr(model, "lm_head", None)
     if isinstance(head, TransposedOutputLayer):  # a second engine on the same model
         return head
     if (type(head) is not torch.nn.Linear or head.bias is not None
             or head.weight.numel() * head.weight.element_size() > MAX_COPY_BYTES):
         return None
-    swapped = TransposedOutputLayer(head.weight)
-    gen, prior = torch.Generator().manual_seed(0), torch.get_num_threads()
-    torch.set_num_threads(threads or prior)
-    try:
-        with torch.no_grad():
-            for rows in PROBE_ROWS:
-                x = torch.randn(rows, head.in_features, generator=gen).to(head.weight.dtype)
-                if not torch.equal(swapped(x), torch.nn.functional.linear(x, head.weight)):
-                    return None
-    finally:
-        torch.set_num_threads(prior)
-    swapped.refresh()
-    model.lm_head = swapped
-    return swapped
+    model.lm_head = TransposedOutputLayer(head.weight)
+    return model.lm_head
