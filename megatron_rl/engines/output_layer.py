@@ -7,7 +7,7 @@ host took 2.6 / 4.3 / 7.0 / 3.0 ms at 1 / 2 / 3 / 4 rows, where `x @ Wt` on a co
 [hidden, vocab] copy took 0.5 / 0.9 / 1.3 / 1.8 ms; another took 0.36 / 0.59 / 1.0 ms with
 F.linear and 0.24 / 0.52 / 0.79 ms with the copy (`benchmarks/output_layer.py`). From 4 rows
 on both run MKL's GEMM, and the copy's gain is the host's: 1.4-1.7x at 4-16 rows on the
-first, 0.92-1.05x on the second, where the engine served 16 episodes 0.89-0.95x as fast with
+first, 0.91-1.05x on the second, where the engine served 16 episodes 0.89-0.95x as fast with
 it. So the layer calls F.linear from 4 rows on: its bits on every host, and no choice made by
 timing. Below 4 the logits differ from F.linear's by float rounding (as F.linear's own 1-3
 rows differ from its 4). The copy costs the layer's bytes once more and is rebuilt after every
