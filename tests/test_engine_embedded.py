@@ -1189,6 +1189,33 @@ def test_agent_turns_share_one_trie_edge_for_their_common_opening() -> None:
     assert trie_nodes(trie) == 2 and trie.longest([*turns[0], 5]) == system
 
 
+def test_trie_keys_that_part_inside_long_edges_split_them_where_they_part() -> None:
+    """Inserting walks an edge as slices, not token by token: keys that part from a long edge
+    anywhere along it (or run its whole length) split it at exactly that token."""
+    from megatron_rl.engines.prefix_cache import KeyTrie, _common_run
+
+    rng = random.Random(0)
+    for _ in range(3000):  # against the definition, on few symbols (long equal runs)
+        label = tuple(rng.randint(0, 2) for _ in range(rng.randint(1, 40)))
+        i = rng.randint(0, 5)
+        key = (*(rng.randint(0, 2) for _ in range(i)), label[0],
+               *(rng.randint(0, 2) for _ in range(rng.randint(0, 45))))
+        want = next((n for n, (a, b) in enumerate(zip(label, key[i:])) if a != b),
+                    min(len(label), len(key) - i))
+        assert _common_run(label, key, i) == want
+    opening = tuple(range(3000))  # one 3,000-token edge, parted at several depths
+    trie = KeyTrie()
+    trie.insert(opening)
+    parted = [(*opening[:n], -n) for n in (1, 2, 999, 1000, 2999)]
+    for key in parted:
+        trie.insert(key)
+    for key in (opening, *parted):
+        assert trie.longest([*key, 7]) == key
+    assert trie.longest([*opening[:1000], -1000, 7]) == parted[3]
+    assert trie.longest([*opening[:1500], 7]) == ()  # no key ends at 1,500
+    assert trie_nodes(trie) == 1 + 5 + 5 + 1  # root, a node a parting depth, 5 leaves, the end
+
+
 def test_the_prefix_cache_keeps_prefixes_shared_with_recent_prompts() -> None:
     from megatron_rl.engines.prefix_cache import PrefixCache
 
