@@ -1192,17 +1192,18 @@ def test_agent_turns_share_one_trie_edge_for_their_common_opening() -> None:
 def test_trie_keys_that_part_inside_long_edges_split_them_where_they_part() -> None:
     """Inserting walks an edge as slices, not token by token: keys that part from a long edge
     anywhere along it (or run its whole length) split it at exactly that token."""
-    from megatron_rl.engines.prefix_cache import KeyTrie, _common_run
+    from megatron_rl.engines.prefix_cache import KeyTrie
+    from megatron_rl.utils.tokens import shared_prefix_length
 
     rng = random.Random(0)
     for _ in range(3000):  # against the definition, on few symbols (long equal runs)
-        label = tuple(rng.randint(0, 2) for _ in range(rng.randint(1, 40)))
+        label = tuple(rng.randint(0, 2) for _ in range(rng.randint(0, 40)))
         i = rng.randint(0, 5)
-        key = (*(rng.randint(0, 2) for _ in range(i)), label[0],
-               *(rng.randint(0, 2) for _ in range(rng.randint(0, 45))))
+        key = tuple(rng.randint(0, 2) for _ in range(rng.randint(0, 45)))
         want = next((n for n, (a, b) in enumerate(zip(label, key[i:])) if a != b),
-                    min(len(label), len(key) - i))
-        assert _common_run(label, key, i) == want
+                    max(0, min(len(label), len(key) - i)))
+        assert shared_prefix_length(label, key, i) == want
+        assert shared_prefix_length(list(label), list(key), i) == want
     opening = tuple(range(3000))  # one 3,000-token edge, parted at several depths
     trie = KeyTrie()
     trie.insert(opening)

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_rl.utils.tokens import shared_prefix_length
+
 PREFIX_MIN_TOKENS = 32  # a shorter shared run costs a pass of its own for little
 PREFIX_RECENT = 64
 PREFIX_CACHE_BYTES = 256 << 20  # the tiny models' KV is 4 KB a token: ~65k tokens
@@ -44,23 +46,6 @@ class _Node:
         self.key = key
 
 
-def _common_run(label: tuple[int, ...], key: tuple[int, ...], i: int) -> int:
-    """How many tokens `label` and `key[i:]` share from their start (their first is equal).
-    Slices compare in C: an agent turn's key runs thousands of tokens along one edge, which a
-    token-by-token loop walked at ~0.2 us a token (0.25 ms an insert in the tiny RL run)."""
-    m = min(len(label), len(key) - i)
-    if label[:m] == key[i:i + m]:
-        return m
-    lo, hi = 1, m - 1  # the first token they differ at lies in [lo, hi]
-    while lo < hi:  # halving windows: ~m tokens compared in all
-        mid = (lo + hi + 1) // 2
-        if label[lo:mid] == key[i + lo:i + mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 class KeyTrie:
     """The cache's keys as a radix trie (runs of tokens no two keys part on are one edge):
     `longest` walks one prompt once. A node a token made ten thousand nodes for a cache of 40
@@ -78,7 +63,7 @@ class KeyTrie:
                 node.edges[key[i]] = (key[i:], _Node(key))
                 return
             label, child = edge
-            n = _common_run(label, key, i)
+            n = shared_prefix_length(label, key, i)  # an edge's thousands of ids: slices
             if n < len(label):  # the key parts from this edge inside it: split it there
                 middle = _Node()
                 middle.edges[label[n]] = (label[n:], child)

@@ -40,6 +40,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megatron_rl.utils.tokens import shared_prefix_length
+
 # environment's fault: excluded from the loss and from group statistics
 ENV_FAILURES = ("search_error", "visit_error", "summarizer_error", "judge_error", "overlong")
 # the policy's fault: kept, with their reward
@@ -264,7 +266,7 @@ class Trajectory:
         turns, fed = [], None
         for turn in self.turns:
             row = turn.to_dict()
-            shared = 0 if fed is None else _shared_prefix(fed, turn.context_ids)
+            shared = 0 if fed is None else shared_prefix_length(fed, turn.context_ids)
             if shared:
                 row["context_ids"] = row["context_ids"][shared:]
                 row[CONTEXT_SHARED] = shared
@@ -288,17 +290,6 @@ class Trajectory:
         if "rewards" in d:
             out["rewards"] = _rewards_in(d["rewards"])
         return cls(**out)
-
-
-def _shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many ids `a` and `b` share from their starts (a C-speed compare when one extends
-    the other, ReAct's case; numpy's otherwise)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    import numpy as np
-
-    return int(np.argmax(np.asarray(a[:n]) != np.asarray(b[:n])))
 
 
 def full_contexts(turns: Any) -> Any:
