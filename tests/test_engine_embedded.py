@@ -1204,6 +1204,7 @@ def test_trie_keys_that_part_inside_long_edges_split_them_where_they_part() -> N
                     max(0, min(len(label), len(key) - i)))
         assert shared_prefix_length(label, key, i) == want
         assert shared_prefix_length(list(label), list(key), i) == want
+        assert shared_prefix_length(list(label), key, i) == want  # a list against a tuple
     opening = tuple(range(3000))  # one 3,000-token edge, parted at several depths
     trie = KeyTrie()
     trie.insert(opening)

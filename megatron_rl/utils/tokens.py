@@ -23,7 +23,9 @@ def shared_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> 
     """How many ids `a` and `b[start:]` share from their starts (lists or tuples). Slices
     compare in C: an agent turn's context extends the last one by thousands of ids, which a
     loop over the ids walked at ~0.2 us an id; where they part, halving windows find it in
-    ~len compares."""
+    ~len compares. A list and a tuple never compare equal: `b` is taken as `a`'s type."""
+    if type(b) is not type(a):
+        b = type(a)(b)
     m = min(len(a), len(b) - start)
     if m <= 0 or a[:m] == b[start:start + m]:
         return max(m, 0)
