@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,11 +22,12 @@ import pytest
 import torch
 
 from megatron_rl.checkpoint.weight_map import WeightMap
-from megatron_rl.engines.base import GenerateRequest
+from megatron_rl.engines.base import EngineError, GenerateRequest
 from megatron_rl.engines.embedded import EmbeddedServer
 from megatron_rl.engines.http_client import HttpEngine
 from megatron_rl.engines.process_memory import map_process_memory
 from megatron_rl.engines.shared_weights import LAYOUT_FORMAT, SharedWeightWriter
+from megatron_rl.engines.write_control import WriteControlClient
 from megatron_rl.models.registry import get_model_spec
 from megatron_rl.trainer.weight_sync import SyncStats, WeightSyncer, _copy_all, _viewed_as
 from tests.test_engine_embedded import (
@@ -267,6 +270,105 @@ def test_a_hostile_layout_is_refused_naming_the_field(tmp_path) -> None:
         assert writer.target(some).shape == torch.Size(good["tensors"][some]["shape"])
         writer.close()
     other.close()
+
+
+def control_lines(address: str, *lines: bytes) -> list[bytes]:
+    """Each line sent on one raw connection to an engine's write control, and its answers
+    until the engine closes the connection or stops answering."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect("\0" + address)
+        sock.settimeout(10)
+        with sock.makefile("rb") as answers:
+            out = []
+            for line in lines:
+                try:
+                    sock.sendall(line)
+                    out.append(answers.readline())
+                except (BrokenPipeError, ConnectionResetError):  # closed by the engine
+                    out.append(b"")
+            return out
+
+
+def test_the_write_control_answers_hostile_lines_and_turns_other_users_away(
+        models, tmp_path, monkeypatch) -> None:
+    """The begin / commit socket (engines/write_control.py) carries the syncer's window; a
+    line that is not JSON, an unknown op, a commit with no write open or a version that does
+    not parse get an error naming it and the connection goes on; a line over the limit gets
+    one and is closed. A peer of another user is turned away at accept, and the syncer goes
+    by HTTP; the engine keeps serving throughout."""
+    base, new = models
+    named = checkpoint_tensors(new, tmp_path / "new")
+    with EmbeddedServer(copy.deepcopy(base)).start() as srv:
+        with WeightSyncer(HFGatherer(named), [srv.url], transport="tensor") as syncer:
+            syncer.sync(1)
+            engine = syncer.engines[0]
+            address = engine._write_control.address
+            assert address == srv._write_control.address  # the layout gave it
+            label = syncer._writers[0].name
+            answers = [json.loads(a) for a in control_lines(
+                address, b"rm -rf /\n", b'{"op": "shutdown"}\n', b"[1, 2]\n",
+                b'{"op": "commit", "weight_version": "2"}\n', b'{"op": "begin"}\n',
+                b'{"op": "commit", "weight_version": "two"}\n',
+                b'{"op": "commit", "weight_version": "2"}\n')]
+            assert [a.get("status") for a in answers[:4]] == [400] * 4
+            assert "not a JSON line" in answers[0]["error"]
+            assert "'shutdown' is not 'begin' or 'commit'" in answers[1]["error"]
+            assert "no shared-weights write is open" in answers[3]["error"]
+            assert answers[4] == {"segment": label}
+            assert answers[5]["status"] == 400 and "two" in answers[5]["error"]
+            assert answers[6] == {"weight_version": "2"}
+            long = control_lines(address, b"x" * 5000 + b"\n", b'{"op": "begin"}\n')
+            assert json.loads(long[0])["status"] == 400 and long[1] == b""  # closed
+            assert srv.core.weight_version == "2" and not srv.core.writing
+            stats = syncer.sync(3)  # the syncer's own connection was not disturbed
+            assert stats.extra["flip_s"] < 5 and srv.core.weight_version == "3"
+
+            uid = os.getuid()
+            monkeypatch.setattr(os, "getuid", lambda: uid + 1)  # the engine's user, now
+            assert control_lines(address, b'{"op": "begin"}\n') == [b""]
+            syncer.engines[0]._write_control._streams = None  # a new connection: turned away
+            syncer.sync(4)  # ...so begin and commit went by HTTP
+            assert engine._write_control is None and srv.core.weight_version == "4"
+        out = greedy_probe(srv.url, 8)
+    assert out.weight_versions == [4] * 8
+    assert out.output_ids == hf_greedy(new, PROMPTS[0], 8)
+
+
+def test_the_write_control_client_refuses_a_broken_answer() -> None:
+    """What the socket answers is the engine's input to the trainer: a line that is not a
+    JSON object, or one over the limit, raises an EngineError naming the call; an address of
+    another kind is refused before anything connects."""
+    address = f"megatron-rl-weights-test-{os.getpid()}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind("\0" + address)
+    server.listen(1)
+    replies = [b"garbage\n", b"[1]\n", b"{" + b" " * 5000 + b"}\n"]
+
+    def serve() -> None:
+        for reply in replies:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(reply)
+                conn.recv(1)  # until the client closes
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    async def calls() -> list[str]:
+        client = WriteControlClient(address, timeout_s=10)
+        errors = []
+        for _ in replies:
+            with pytest.raises(EngineError) as e:
+                await client.call({"op": "begin"})
+            errors.append(str(e.value))
+        return errors
+
+    errors = asyncio.run(calls())
+    server.close()
+    assert all(e.startswith("weight-write control begin") for e in errors)
+    assert "garbage" in errors[0] and "[1]" in errors[1] and "longer than 4096" in errors[2]
+    with pytest.raises(ValueError, match="not a weight-write control address"):
+        WriteControlClient("/tmp/some.sock")
 
 
 OWNER = """

@@ -76,6 +76,7 @@ from megatron_rl.engines.tensors import (
     decode_safetensors,
     shm_header,
 )
+from megatron_rl.engines.write_control import WriteControlServer
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ class EmbeddedServer:
         self._waiting: set[asyncio.Future] = set()  # handlers waiting on _in_thread work
         self._stopping = False
         self._claiming = threading.Lock()  # rids are claimed from the server's loop and ours
+        self._write_control: WriteControlServer | None = None  # once weights are shared
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kw: Any) -> EmbeddedServer:
@@ -260,6 +262,8 @@ class EmbeddedServer:
                 pass
         if self._thread is not None:
             self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        if self._write_control is not None:
+            self._write_control.close()
         self.core.stop(timeout_s=max(deadline - time.monotonic(), 0.1))
 
     def __enter__(self) -> EmbeddedServer:
@@ -548,7 +552,28 @@ class EmbeddedServer:
     # the parameters in shared memory, then begin (hold every step) → the trainer writes →
     # commit (new version, decoding goes on).
     async def _shared_weights(self, request: web.Request) -> web.Response:
-        return web.json_response(await self._call(self.core.share_weights, "shared_weights"))
+        layout = await self._call(self.core.share_weights, "shared_weights")
+        if self._write_control is None:  # begin / commit without HTTP (write_control.py)
+            self._write_control = WriteControlServer(
+                lambda: self._call_from_thread(self.core.begin_weight_write,
+                                               "shared_weights/begin"),
+                lambda version: self._call_from_thread(lambda: self._commit(version),
+                                                       "shared_weights/commit"))
+        return web.json_response({**layout, "control": self._write_control.address})
+
+    def _commit(self, version: Any) -> str:
+        self.core.commit_weight_write(version)
+        return self.core.weight_version
+
+    def _call_from_thread(self, fn: Callable[[], Any], what: str) -> Any:
+        """`_call` for a thread of its own (the write control's): `fn` on the scheduler
+        thread, 504 after the control timeout."""
+        cfut = self.core.call(fn)
+        try:
+            return cfut.result(self.control_timeout_s)
+        except TimeoutError:
+            cfut.cancel()
+            raise self._timed_out(what, self.control_timeout_s) from None
 
     async def _shared_begin(self, request: web.Request) -> web.Response:
         segment = await self._call(self.core.begin_weight_write, "shared_weights/begin")

@@ -40,6 +40,7 @@ from megatron_rl.engines.tensors import (
     encode_safetensors,
     encode_torch_ipc,
 )
+from megatron_rl.engines.write_control import WriteControlClient
 from megatron_rl.utils.http import SessionHolder
 
 TensorTransport = Literal["safetensors", "torch_ipc", "shm"]
@@ -146,6 +147,7 @@ class HttpEngine:
         self._weight_version = weight_version
         self._http = SessionHolder(f"HttpEngine({self.url})")  # one session for the run
         self._shm: ShmWriter | None = None
+        self._write_control: WriteControlClient | None = None  # from the shared layout
         token = engine_token()
         self._auth = None if token is None else {"Authorization": f"Bearer {token}"}
 
@@ -160,6 +162,8 @@ class HttpEngine:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+        if self._write_control is not None:
+            await self._write_control.close()
         await self._http.close()
 
     async def __aenter__(self) -> HttpEngine:
@@ -272,23 +276,51 @@ class HttpEngine:
 
     async def shared_weights(self) -> dict[str, Any] | None:
         """The layout of the engine's parameters in shared memory (the embedded engine moves
-        them there on this call); None for an engine without the route (SGLang)."""
+        them there on this call); None for an engine without the route (SGLang). Its
+        `control` address, where given, carries the begin and commit from then on
+        (engines/write_control.py)."""
         try:
-            return await self.request("POST", "/shared_weights")
+            layout = await self.request("POST", "/shared_weights")
         except EngineError as e:
             if e.status in (404, 405):
                 return None
             raise
+        await self._drop_write_control()
+        control = layout.get("control") if isinstance(layout, dict) else None
+        if control is not None:
+            try:
+                self._write_control = WriteControlClient(control, self.timeout_s)
+            except ValueError as e:
+                raise EngineError(f"POST {self.url}/shared_weights: {e}",
+                                  endpoint="/shared_weights") from None
+        return layout
 
     async def begin_shared_write(self) -> str:
         """Hold the engine's steps for a write; returns its segment's name."""
-        reply = await self.request("POST", "/shared_weights/begin")
+        reply = await self._write_call({"op": "begin"}, "/shared_weights/begin")
         return str(reply.get("segment")) if isinstance(reply, dict) else ""
 
     async def commit_shared_write(self, weight_version: int) -> None:
-        await self.request("POST", "/shared_weights/commit",
-                           {"weight_version": str(weight_version)})
+        await self._write_call({"op": "commit", "weight_version": str(weight_version)},
+                               "/shared_weights/commit")
         self._weight_version = weight_version
+
+    async def _write_call(self, body: dict[str, Any], endpoint: str) -> Any:
+        """Over the engine's write control where it has one; over HTTP where it has none or
+        the socket is gone (a restarted engine: its begin returns a new segment, and the
+        writer maps it again)."""
+        if self._write_control is not None:
+            try:
+                return await self._write_control.call(body)
+            except ConnectionError:
+                await self._drop_write_control()
+        return await self.request("POST", endpoint,
+                                  {k: v for k, v in body.items() if k != "op"} or None)
+
+    async def _drop_write_control(self) -> None:
+        if self._write_control is not None:
+            await self._write_control.close()
+            self._write_control = None
 
     async def update_weights_from_disk(self, path: str, weight_version: int,
                                        load_format: str | None = None) -> None:
