@@ -554,11 +554,16 @@ class EmbeddedServer:
     async def _shared_weights(self, request: web.Request) -> web.Response:
         layout = await self._call(self.core.share_weights, "shared_weights")
         if self._write_control is None:  # begin / commit without HTTP (write_control.py)
-            self._write_control = WriteControlServer(
-                lambda: self._call_from_thread(self.core.begin_weight_write,
-                                               "shared_weights/begin"),
-                lambda version: self._call_from_thread(lambda: self._commit(version),
-                                                       "shared_weights/commit"))
+            try:
+                self._write_control = WriteControlServer(
+                    lambda: self._call_from_thread(self.core.begin_weight_write,
+                                                   "shared_weights/begin"),
+                    lambda version: self._call_from_thread(lambda: self._commit(version),
+                                                           "shared_weights/commit"))
+            except OSError as e:  # no Unix sockets here: the writers go by HTTP
+                log.warning("weight-write control socket unavailable (%s): begin and commit "
+                            "go over HTTP", e)
+                return web.json_response(layout)
         return web.json_response({**layout, "control": self._write_control.address})
 
     def _commit(self, version: Any) -> str:

@@ -56,14 +56,18 @@ class WriteControlServer:
                 conn, _ = self.sock.accept()
             except OSError:  # closed
                 return
-            _, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                         _PEERCRED.size))
-            if uid != os.getuid() or self.closed:
+            try:  # one peer's trouble must not stop the accepts: a writer would wait forever
+                _, uid, _ = _PEERCRED.unpack(conn.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+                if uid != os.getuid() or self.closed:
+                    conn.close()
+                    continue
+                self.conns.add(conn)
+                threading.Thread(target=self._serve, args=(conn,), name="weight-write-control",
+                                 daemon=True).start()
+            except (OSError, RuntimeError):  # gone already; no thread to be had
+                self.conns.discard(conn)
                 conn.close()
-                continue
-            self.conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="weight-write-control",
-                             daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
