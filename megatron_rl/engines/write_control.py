@@ -1,10 +1,12 @@
 """The begin / commit of a one-copy weight write over a Unix socket (engines/shared_weights.py).
 
 A trainer on the engine's machine writes the engine's parameters in place between a begin
-(hold every step) and a commit (new version, decoding goes on). Over HTTP each of the two took
-0.9-1.4 ms after a 449 MB copy (the client's and the server's event loops, aiohttp, the
-scheduler's hop), ~3 ms of a ~25 ms sync. Here the engine answers on a socket in the abstract
-namespace (gone with the process) served by a thread of its own: one JSON line each way.
+(hold every step) and a commit (new version, decoding goes on). Over HTTP (the client's and
+the server's event loops, aiohttp, the scheduler's hop) the commit took 1.1-1.6 ms after a
+449 MB copy had evicted the caches, and the begin outlasted the trainer's 1 ms walk over the
+tensors by 0.3-0.5 ms. Here the engine answers on a socket in the abstract namespace (gone
+with the process) served by a thread of its own, one JSON line each way: 0.5-0.9 and 0.2-0.3
+ms (`benchmarks/weight_sync.py`, one-copy).
 
 Trust is the shared memory's: only a process of the engine's own user may connect (its peer
 credentials are checked), as only such a process can open the engine's memory
