@@ -12,8 +12,9 @@ The version flip is pause → write → continue: a begin stops the scheduler be
 steps (requests stay in flight), the trainer writes, a commit stamps the new version and lets
 decoding go on, so every token is produced by one complete set of weights and carries its
 version. Both go over the engine's Unix socket named in the layout (`write_control.py`), or
-`/shared_weights/begin` and `/shared_weights/commit` where it is unreachable. A trainer that dies between the two leaves the engine
-paused (half-written weights never decode); the next sync's begin/commit recovers it.
+`/shared_weights/begin` and `/shared_weights/commit` where it is unreachable. A trainer that
+dies between the two leaves the engine paused (half-written weights never decode); the next
+sync's begin/commit recovers it.
 
 The layout is engine input to the trainer: names, offsets and sizes are checked against the
 segment before anything is written (`SharedWeightWriter`).

@@ -116,9 +116,10 @@ def _line(reply: dict[str, Any]) -> bytes:
 
 class WriteControlClient:
     """Trainer side: one connection, opened on first use in the running event loop (another
-    loop opens its own). `ConnectionError`: the socket is gone or unreachable (another network
-    namespace, the engine restarted or died): the caller goes by HTTP. `EngineError`: the
-    engine refused, with its status."""
+    loop opens its own), one call at a time (a write's begin, then its commit).
+    `ConnectionError`: the socket is gone or unreachable (another network namespace, the
+    engine restarted or died): the caller goes by HTTP. `EngineError`: the engine refused,
+    with its status."""
 
     def __init__(self, address: str, timeout_s: float = 600.0):
         if not isinstance(address, str) or not address.startswith("megatron-rl-weights-"):
