@@ -60,7 +60,7 @@ def test_ctrl_c_cancels_the_coroutine_runs_its_cleanup_and_raises_keyboard_inter
             cleaned.append("engines stopped")
 
     # asyncio.Runner takes Ctrl-C only over Python's default handler, as at a program's start;
-    # an earlier test in this process may have left another (Ray's client defers SIGINT)
+    # this test must not depend on what earlier tests in the process left there
     left = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with Runner() as loop, pytest.raises(KeyboardInterrupt):
