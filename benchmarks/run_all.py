@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 # name → quick arguments (each runs in a minute or two on 2 cores)
 BENCHMARKS: dict[str, list[str]] = {
     # medians of 9 steady syncs a transport (of 3, the tp2 look-ahead moved 0.85-0.91)
-    "weight_sync": ["--transports", "one-copy,one-copy-held,tensor", "--bucket-mb", "64",
+    "weight_sync": ["--transports", "one-copy,one-copy-http,one-copy-held,tensor",
+                    "--bucket-mb", "64",
                     "--two-ranks", "ep2,pp2,tp2", "--repeats", "9"],
     "megatron_cpu_step": [],
     "engine_vs_generate": ["--models", "tiny-moe,tiny-qwen3.5"],

@@ -2,17 +2,18 @@
 
 One process is the trainer (Megatron, world size 1, the local spec); the engine is the embedded
 server, run as its own process (`one-copy-held`: a second one in the trainer's process, which
-holds it around the writes and commits, as the RL driver does its own engine: no HTTP begin
-or commit). Each transport syncs every weight (HF names, fp32) and is timed
-end to end; the same bytes are memcpy'd in one buffer for the reference. Each
-transport syncs 1 + `--repeats` times (one-copy, as fast as memcpy, 1 + 10): the first allocates
-(cold pages); the median of the others is what a later RL step pays; after each one's
-first, the transports' syncs alternate (on two ranks too). A memcpy follows
+holds it around the writes and commits, as the RL driver does its own engine: no begin or
+commit round trips; `one-copy-http`: the engine's process with its window's begin and commit
+over HTTP rather than its socket, `engines/write_control.py`). Each transport syncs every
+weight (HF names, fp32) and is timed end to end; the same bytes are memcpy'd in one buffer for
+the reference. Each transport syncs 1 + `--repeats` times (one-copy, as fast as memcpy, 1 +
+10): the first allocates (cold pages); the median of the others is what a later RL step pays;
+after each one's first, the transports' syncs alternate (on two ranks too). A memcpy follows
 each sync (the median of the transport's own, `Memcpy`). Medians, not the best: this host's
-copy bandwidth jumps for moments from ~23 to ~40 GB/s, and a best-of-11 memcpy that caught
-one against syncs that did not read 0.51 where the medians read 0.85. Prints bytes/s and the
-ratio to memcpy, plus the time split: gather (shards → canonical tensors) / convert (HF layout)
-/ transfer (serialise, send, engine load; for one-copy: the writes into the engine's parameters
+copy bandwidth jumps for moments from ~23 to ~40 GB/s, and a best-of-11 memcpy that caught one
+against syncs that did not read 0.51 where the medians read 0.85. Prints bytes/s and the ratio
+to memcpy, plus the time split: gather (shards → canonical tensors) / convert (HF layout) /
+transfer (serialise, send, engine load; for one-copy: the writes into the engine's parameters
 and the begin/commit flip).
 
     python benchmarks/weight_sync.py [--layers 6 --hidden 512 --experts 16 --bucket-mb 512]
@@ -48,6 +49,7 @@ from results import emit
 
 MEMCPY_REPEATS = 10
 HELD = "one-copy-held"
+HTTP = "one-copy-http"
 
 
 class Memcpy:
@@ -86,6 +88,11 @@ def _median(timed: list[tuple[float, object]]) -> tuple[float, object]:
 def _serial(transport: str) -> dict[str, int]:
     """A `-serial` transport: no bucket gathered ahead (the look-ahead's reference)."""
     return {"look_ahead": 0} if transport.endswith("-serial") else {}
+
+
+def _window_s(stats: object) -> float:
+    """What a one-copy sync waited on its window: the begin beyond the walk, and the flip."""
+    return stats.extra["begin_wait_s"] + stats.extra["flip_s"]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -159,7 +166,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="steady syncs per transport (median)")
     p.add_argument("--transports", default="one-copy,one-copy-held,tensor,distributed,disk",
                    help="one-copy: the tensor transport writing into the engine's shared "
-                        "parameters (the engine's process, its window over HTTP); "
+                        "parameters (the engine's process, its window over the engine's "
+                        "socket); one-copy-http: the same with the window over HTTP; "
                         "one-copy-held: the same into an engine in this process, which "
                         "holds it around the writes (the RL driver's own engine); "
                         "tensor: the same transport with shm buckets; a "
@@ -214,6 +222,8 @@ def main() -> None:
                     else t.removesuffix("-serial"), bucket_bytes=a.bucket_mb << 20,
                     one_copy=t.startswith("one-copy"), **_serial(t),
                     disk_dir=str(tmp / "disk"))) for t in transports}
+                for e in syncers[HTTP].engines if HTTP in syncers else ():
+                    e.write_control = False  # the begin and commit over HTTP
                 for r in range(max(counts.values())):
                     for t in transports[r % len(transports):] + transports[:r % len(transports)]:
                         if len(timed[t]) == counts[t]:
@@ -268,6 +278,11 @@ def main() -> None:
     shown = [t for t in ("one-copy", HELD) if t in one_rank] or [max(one_rank, key=one_rank.get)]
     for t in shown:
         emit(f"weight sync / memcpy, steady ({t})", one_rank[t], 0.8)
+    if "one-copy" in stats and HTTP in stats:
+        (socket_s, st), (http_s, ht) = stats["one-copy"], stats[HTTP]
+        print(f"one-copy, the window over the engine's socket / over HTTP, steady sync time: "
+              f"{socket_s / http_s:.3f} (begin wait + flip {1e3 * _window_s(st):.1f} ms "
+              f"against {1e3 * _window_s(ht):.1f} ms)")
     for t in [t for t in steady if f"{t}-serial" in steady]:
         # the same transport and buckets: wall time with the look-ahead / without, where the
         # gather reduces (elsewhere the syncer turns the look-ahead off: the same path)

@@ -132,7 +132,8 @@ class HttpEngine:
     def __init__(self, url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  tensor_transport: TensorTransport = "safetensors", num_tp_payloads: int = 1,
                  bucket_bytes: int = 256 << 20, flattened: bool = True,
-                 moe_layout: tuple[int, int] | None = None, weight_version: int = 0):
+                 moe_layout: tuple[int, int] | None = None, weight_version: int = 0,
+                 write_control: bool = True):
         if tensor_transport not in ("safetensors", "torch_ipc", "shm"):
             raise ValueError(f"tensor_transport={tensor_transport!r}: 'safetensors', "
                              "'torch_ipc' or 'shm'")
@@ -147,6 +148,9 @@ class HttpEngine:
         self._weight_version = weight_version
         self._http = SessionHolder(f"HttpEngine({self.url})")  # one session for the run
         self._shm: ShmWriter | None = None
+        # False: a one-copy write's begin and commit go over HTTP even where the engine
+        # offers its socket (benchmarks/weight_sync.py's reference)
+        self.write_control = write_control
         self._write_control: WriteControlClient | None = None  # from the shared layout
         token = engine_token()
         self._auth = None if token is None else {"Authorization": f"Bearer {token}"}
@@ -287,7 +291,7 @@ class HttpEngine:
             raise
         await self._drop_write_control()
         control = layout.get("control") if isinstance(layout, dict) else None
-        if control is not None:
+        if control is not None and self.write_control:
             try:
                 self._write_control = WriteControlClient(control, self.timeout_s)
             except ValueError as e:
