@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from generated_moe import add_size_args, spec_yaml
@@ -90,7 +91,7 @@ def _serial(transport: str) -> dict[str, int]:
     return {"look_ahead": 0} if transport.endswith("-serial") else {}
 
 
-def _window_s(stats: object) -> float:
+def _window_s(stats: Any) -> float:
     """What a one-copy sync waited on its window: the begin beyond the walk, and the flip."""
     return stats.extra["begin_wait_s"] + stats.extra["flip_s"]
 
@@ -223,7 +224,7 @@ def main() -> None:
                     one_copy=t.startswith("one-copy"), **_serial(t),
                     disk_dir=str(tmp / "disk"))) for t in transports}
                 for e in syncers[HTTP].engines if HTTP in syncers else ():
-                    e.write_control = False  # the begin and commit over HTTP
+                    e.use_write_control = False  # the begin and commit over HTTP
                 for r in range(max(counts.values())):
                     for t in transports[r % len(transports):] + transports[:r % len(transports)]:
                         if len(timed[t]) == counts[t]:

@@ -133,7 +133,7 @@ class HttpEngine:
                  tensor_transport: TensorTransport = "safetensors", num_tp_payloads: int = 1,
                  bucket_bytes: int = 256 << 20, flattened: bool = True,
                  moe_layout: tuple[int, int] | None = None, weight_version: int = 0,
-                 write_control: bool = True):
+                 use_write_control: bool = True):
         if tensor_transport not in ("safetensors", "torch_ipc", "shm"):
             raise ValueError(f"tensor_transport={tensor_transport!r}: 'safetensors', "
                              "'torch_ipc' or 'shm'")
@@ -150,7 +150,7 @@ class HttpEngine:
         self._shm: ShmWriter | None = None
         # False: a one-copy write's begin and commit go over HTTP even where the engine
         # offers its socket (benchmarks/weight_sync.py's reference)
-        self.write_control = write_control
+        self.use_write_control = use_write_control
         self._write_control: WriteControlClient | None = None  # from the shared layout
         token = engine_token()
         self._auth = None if token is None else {"Authorization": f"Bearer {token}"}
@@ -291,7 +291,7 @@ class HttpEngine:
             raise
         await self._drop_write_control()
         control = layout.get("control") if isinstance(layout, dict) else None
-        if control is not None and self.write_control:
+        if control is not None and self.use_write_control:
             try:
                 self._write_control = WriteControlClient(control, self.timeout_s)
             except ValueError as e:
