@@ -857,12 +857,35 @@ def test_decode_steps_run_the_layers_directly_only_where_that_is_exactly_the_mod
         hf_greedy(model, p, 5 + i) for i, p in enumerate(prompts)]
     assert len(calls) >= 9 and max(calls) == 4  # every decode step, up to the full batch
     if gated_delta:  # transformers' decode kernel rounding otherwise: its own layers
+        import transformers.integrations.sdpa_attention as sdpa
         import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as qwen35
 
+        # the full-attention layer takes the padding as a bias: sdpa's grouped-query kernel,
+        # no copy of the cache's KV heads per step (as with a mask)
+        assert lean.as_bias
+        repeats = []
+        with pytest.MonkeyPatch.context() as mp:
+            repeat_kv = sdpa.repeat_kv
+            mp.setattr(sdpa, "repeat_kv", lambda *a: repeats.append(1) or repeat_kv(*a))
+            seqs = [core_seq(f"r{i}", p, 4) for i, p in enumerate(prompts[:3])]
+            core.pending.extend(seqs)
+            with torch.no_grad():
+                core.step()  # the prefill passes a mask (its rows hold padding)
+                prefilled = len(repeats)
+                while core.batch:
+                    core.step()
+        assert prefilled and len(repeats) == prefilled
         with pytest.MonkeyPatch.context() as mp:
             update = qwen35.causal_conv1d_update
             mp.setattr(qwen35, "causal_conv1d_update", lambda *a, **k: update(*a, **k) + 1e-6)
             assert lean_decode(model, "mask4d").gated_delta_layers == 0
+        with pytest.MonkeyPatch.context() as mp:  # the grouped-query kernel rounds otherwise
+            fn = torch.nn.functional.scaled_dot_product_attention
+            mp.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                       lambda *a, enable_gqa=False, **k: fn(*a, enable_gqa=enable_gqa, **k)
+                       + (1e-6 if enable_gqa else 0.0))
+            step = lean_decode(model, "mask4d")
+            assert not step.as_bias and step.gated_delta_layers == gated_delta
         return
 
     class SkewedHead(torch.nn.Linear):  # differs from the model's path on 2-D input only
