@@ -20,12 +20,12 @@ and the begin/commit flip).
         [--two-ranks ep2,pp2,tp2]
 
 `--two-ranks`: the same model on two gloo ranks (a worker pool) at each layout. At PP2 and EP2
-each rank sends what it holds (its stage's layers, its experts) and nothing is reduced: a
-sender per owner against everything reduced onto rank 0 (`-rank0`). At TP2 every split layer
-is reduced onto rank 0: the bucketed path with the look-ahead (the next bucket reduced and
-converted while the current one is sent) against the same without it (`-serial`). The syncer
-turns the look-ahead off where nothing is reduced, so a `-serial` row is compared only where
-the serial sync reduced.
+each rank sends what it holds (its stage's layers, its experts) and nothing is gathered: a
+sender per owner against everything gathered onto rank 0 (`-rank0`). At TP2 rank 1 sends its
+half of every split layer to rank 0: the bucketed path with the look-ahead (the next bucket
+gathered and converted while the current one is sent) against the same without it
+(`-serial`). The syncer turns the look-ahead off where nothing crosses ranks, so a `-serial`
+row is compared only where the serial sync gathered.
 
 Goals: one-copy (either window) >= 0.8x memcpy; the look-ahead <= 0.9x the serial sync; a
 sender per owner <= 0.9x everything through rank 0.
@@ -150,8 +150,8 @@ def _two_rank_rows(a: argparse.Namespace, spec: Path, url: str, version: int,
     rows = []
     with WorkerPool(2, threads_per_rank=1) as pool:
         for layout in a.two_ranks.split(","):
-            # PP, EP: a sender per owner, nothing reduced; TP: reduced onto rank 0, where
-            # the look-ahead overlaps the reductions with the sends
+            # PP, EP: a sender per owner, nothing gathered; TP: gathered onto rank 0, where
+            # the look-ahead overlaps the gathers with the sends
             transports = (["one-copy", "tensor", "tensor-serial"] if layout.startswith("tp")
                           else ["one-copy", "tensor", "one-copy-rank0", "tensor-rank0"])
             rows += pool.run(_two_rank_job, str(spec), url, layout, transports, a.bucket_mb,
@@ -173,7 +173,7 @@ def main() -> None:
                         "holds it around the writes (the RL driver's own engine); "
                         "tensor: the same transport with shm buckets; a "
                         "'-serial' suffix: without a look-ahead (at one rank nothing is "
-                        "reduced, so the syncer uses none anyway: the same path)")
+                        "gathered, so the syncer uses none anyway: the same path)")
     p.add_argument("--two-ranks", default="", help="layouts to sync from 2 ranks too, e.g. "
                    "ep2,pp2,tp2")
     a = p.parse_args()
@@ -286,9 +286,9 @@ def main() -> None:
               f"against {1e3 * _window_s(ht):.1f} ms)")
     for t in [t for t in steady if f"{t}-serial" in steady]:
         # the same transport and buckets: wall time with the look-ahead / without, where the
-        # gather reduces (elsewhere the syncer turns the look-ahead off: the same path)
+        # gather crosses ranks (elsewhere the syncer turns the look-ahead off: the same path)
         secs, st = stats[f"{t}-serial"]
-        if not st.extra.get("reduced_layers"):
+        if not st.extra.get("gathered_layers"):
             continue
         ahead, cores = st.gather_s + st.convert_s, len(os.sched_getaffinity(0))
         # overlapping wins only where the serial sync leaves cores idle: its CPU seconds

@@ -76,8 +76,8 @@ def step_sync_probe(overrides: list[str], init: str, url: str, transport: str,
                     version: int, disk_dir: str, sync_first: bool = False) -> dict:
     """One optimizer step, then: engine log-probs before the sync, sync, engine log-probs after;
     the trainer's log-probs of the same tokens, the same on every rank; this rank's sync
-    stats (what it sent, how many layers it reduced) and whether its gather reduces (what
-    the look-ahead is for).
+    stats (what it sent, how many layers it gathered from other ranks) and whether its gather
+    crosses ranks (what the look-ahead is for).
     `sync_first`: the same syncer also syncs once before the step (version - 1), so the
     second sync shows what a run's later syncs send."""
     actor = _loaded_actor(overrides, init)
@@ -93,5 +93,5 @@ def step_sync_probe(overrides: list[str], init: str, url: str, transport: str,
 
     return {"before": before, "after": after, "trainer_before": trainer_logprobs(actor, before[0]),
             "trainer_after": trainer_logprobs(actor, after[0]), "tensors": stats.tensors,
-            "bytes": stats.bytes, "reduced_layers": stats.extra["reduced_layers"],
-            "reduces": syncer.gatherer.reduces(syncer.one_sender)}
+            "bytes": stats.bytes, "gathered_layers": stats.extra["gathered_layers"],
+            "crosses_ranks": syncer.gatherer.crosses_ranks(syncer.one_sender)}

@@ -14,10 +14,10 @@ TOL = 1e-5
 CASES = {  # layout → transport (ranks: 2 unless named)
     "ep2-tensor": (["parallel.ep=2"], "tensor"),
     "tp2-distributed": (["parallel.tp=2"], "distributed"),
-    # one sender: rank 0's own experts and dense layers go unreduced, rank 1's come to it
+    # one sender: rank 0's own experts and dense layers go as they are, rank 1's come to it
     "ep2-distributed": (["parallel.ep=2"], "distributed"),
     # a sender per pipeline stage (and per EP rank): each writes the layers (experts) it holds
-    # whole, nothing is reduced
+    # whole, nothing is gathered
     "pp2-disk": (["parallel.pp=2"], "disk"),
     "pp2-tensor": (["parallel.pp=2"], "tensor"),
     "pp2-tensor-http": (["parallel.pp=2"], "tensor-http"),
@@ -87,24 +87,24 @@ def test_engine_matches_trainer_after_sync(case, initial, tmp_path):
     assert mismatch <= TOL
     if case.startswith(("pp2", "ep2")) and transport != "distributed":
         # each stage sends its layers, each EP rank its experts
-        assert [g["reduced_layers"] for g in got] == [0, 0]
+        assert [g["gathered_layers"] for g in got] == [0, 0]
         assert all(g["tensors"] > 0 for g in got)
-        assert not any(g["reduces"] for g in got)  # the look-ahead has nothing to do
+        assert not any(g["crosses_ranks"] for g in got)  # the look-ahead has nothing to do
         assert sum(g["tensors"] for g in got) == _hf_tensors(hf)
-    elif not one:  # one sender: rank 0 gets what others hold by reduction
+    elif not one:  # one sender: rank 0 gets what the others hold
         assert got[1]["tensors"] == 0 and r["tensors"] == _hf_tensors(hf)
         # tiny-moe's 2 layers: at TP2 each one's split linears and the vocabulary's 2 tensors
-        # (norms, which rank 0 holds alone, are not reduced); at EP2 rank 1's experts alone
-        assert r["reduced_layers"] == (2 if case.startswith("ep2") else 4)
-        assert all(g["reduces"] for g in got)
+        # (norms, which rank 0 holds alone, are not gathered); at EP2 rank 1's experts alone
+        assert r["gathered_layers"] == (2 if case.startswith("ep2") else 4)
+        assert all(g["crosses_ranks"] for g in got)
     else:
-        assert not r["reduces"]
+        assert not r["crosses_ranks"]
 
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_the_next_buckets_are_gathered_while_the_current_one_is_sent(depth):
-    """The bucketed transports' look-ahead: producing items k+1 .. k+depth (the gather's
-    reductions in a worker thread) starts before the caller has finished sending item k, and
+    """The bucketed transports' look-ahead: producing items k+1 .. k+depth (the layers'
+    gathers in a worker thread) starts before the caller has finished sending item k, and
     no further; items keep their order, and one `next` runs at a time."""
     import asyncio
     import threading

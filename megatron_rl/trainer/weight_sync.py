@@ -2,13 +2,14 @@
 
 Gather. Every trainer rank walks the weight map's units in the same order, one layer at a time,
 each layer's units grouped by the ranks that hold pieces of them as *main replica* (megatron's
-own sharding metadata says which layer, expert and TP slice each local parameter is). For each
-group it fills a flat buffer with only the chunks it owns and the buffers are summed onto the
-group's sender: one collective per group, correct for any TP/PP/EP/DP layout. The sender is the
-lowest rank holding a piece, so each pipeline stage sends its own layers (its first rank) and
-each expert-parallel rank its own experts; a group that one rank holds whole (PP, EP without
-TP) is not reduced at all. The sender converts the group to HF names with the same `WeightMap`
-the converters use.
+own sharding metadata says which layer, expert and TP slice each local parameter is). The
+group's sender, the lowest rank holding a piece, fills a flat buffer with its own pieces; each
+other holder sends its pieces to it, packed in one message, and the sender puts them in place
+(where each goes was exchanged once): correct for any TP/PP/EP/DP layout, and only a group's
+holders take part, each moving only what it holds. So each pipeline stage sends its own layers
+(its first rank) and each expert-parallel rank its own experts; a group that one rank holds
+whole (PP, EP without TP) is gathered from nowhere. The sender converts the group to HF names
+with the same `WeightMap` the converters use.
 
 Transfer. Each sender streams its HF tensors, in buckets, to every engine, over one of:
   tensor       `/update_weights_from_tensor` (the colocated path: a shared-memory segment for
@@ -21,8 +22,8 @@ With several senders rank 0 opens the update (the shared-memory pause), all send
 after a barrier rank 0 alone moves the version (or loads the folder): no engine reports the new
 version while a sender's layers are still old. `distributed` sends everything from rank 0 (its
 broadcast group has one source).
-On these three, where the gather reduces, the next buckets (`look_ahead`, 3) are gathered and
-converted in a worker thread while the current one is sent (`_Ahead`).
+On these three, where the gather crosses ranks, the next buckets (`look_ahead`, 3) are gathered
+and converted in a worker thread while the current one is sent (`_Ahead`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import functools
+import math
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -57,7 +59,7 @@ VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 class SyncStats:
     """Where a sync's time went (one sender's view; rank 0's is the one reported)."""
 
-    gather_s: float = 0.0     # filling layer buffers + the cross-rank reduction
+    gather_s: float = 0.0     # filling layer buffers + the pieces other ranks send
     convert_s: float = 0.0    # Megatron → HF layout and dtype
     transfer_s: float = 0.0   # everything after conversion: serialise, send, engine load
     bytes: int = 0
@@ -105,16 +107,28 @@ class WeightGatherer:
         units = [(entry, index) for entry, index in self.wmap.units()
                  if include_mtp or entry.layer_type != "mtp"]
         # a layer's units by the ranks that hold them: at EP each rank's experts are a group
-        # of their own, sent by that rank without a reduction
+        # of their own, sent by that rank with nothing gathered
         groups: dict[Any, list[tuple[Entry, tuple[int, ...]]]] = {}
         for (entry, index), owners in zip(units, self._owners(units), strict=True):
             where = ("layer", entry.layer_type == "mtp", index[0]) if index else entry.keys
             groups.setdefault((where, owners), []).append((entry, index))
         self.layout = [self._group_layout(g) for g in groups.values()]
-        # per group: its sender (the lowest rank holding a piece) and whether nothing is to
-        # be reduced (one holder; none: zeros, on every rank alike)
+        # per group: its sender (the lowest rank holding a piece), whether nothing is to be
+        # gathered (one holder; none: zeros) and its holders
         self.senders = [owners[0] if owners else 0 for _, owners in groups]
         self.sole = [len(owners) <= 1 for _, owners in groups]
+        self.owners = [owners for _, owners in groups]
+        # per rank, per group: where its pieces go in the group's buffer (a sender reads the
+        # others' to place what they send), and per group whether the pieces cover it all
+        mine = [[(offset, shape, offsets, sizes) for offset, shape, _, offsets, sizes
+                 in self._pieces(slots)] for slots, _ in self.layout]
+        self.placement = [mine]
+        if self.world > 1:
+            self.placement = [None] * self.world
+            dist.all_gather_object(self.placement, mine, group=self.group)
+        self.covered = [sum(math.prod(sizes) for rank in self.placement
+                            for _, _, _, sizes in rank[g]) == total
+                        for g, (_, total) in enumerate(self.layout)]
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if torch.cuda.is_available() else torch.device("cpu"))
         # the parameters' own dtype: summing one owner's value with zeros is exact in any
@@ -158,6 +172,14 @@ class WeightGatherer:
             for u in ours:
                 owners[u].append(rank)
         return [tuple(o) for o in owners]
+
+    def _pieces(self, slots: list) -> Iterator[tuple[int, tuple, torch.Tensor, tuple, tuple]]:
+        """This rank's pieces of one group in a fixed order: (the part's offset in the
+        group's buffer, the part's shape, the live data, its offsets and sizes in the part)."""
+        for _, index, parts in slots:
+            for key, offset, shape in parts:
+                for data, offsets, sizes in self.local.get((key, index), ()):
+                    yield offset, tuple(shape), data, offsets, sizes
 
     def sends(self, one_sender: bool = False) -> bool:
         """Whether this rank yields tensors from `hf_tensors`."""
@@ -207,15 +229,15 @@ class WeightGatherer:
         return [0] * len(self.layout), [alone and sender == 0 for sender, alone
                                         in zip(self.senders, self.sole, strict=True)]
 
-    def reduces(self, one_sender: bool = False) -> bool:
-        """Whether this rank takes part in a reduction in `hf_tensors`: what a look-ahead
-        overlaps with the sends. Without one it yields views of the live parameters and
-        converts a few of them (a fused QKV's split): nothing worth producing ahead."""
+    def crosses_ranks(self, one_sender: bool = False) -> bool:
+        """Whether `hf_tensors` moves pieces between ranks: what a look-ahead overlaps with
+        the sends. Without that it yields views of the live parameters and converts a few of
+        them (a fused QKV's split): nothing worth producing ahead."""
         return not all(self._roles(one_sender)[1])
 
     def hf_tensors(self, dtype: torch.dtype | None = None, one_sender: bool = False,
                    grouped: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every rank must exhaust this iterator (it runs the reductions); each layer's sender
+        """Every rank must exhaust this iterator (it moves the pieces); each layer's sender
         yields its (HF name, full tensor) pairs (`one_sender`: rank 0 yields them all). A
         layer its sender holds whole comes as views of the live parameters (nothing is copied
         before the consumer's own copy): copy what you keep. `grouped`: a split QKV may come
@@ -234,10 +256,10 @@ class WeightGatherer:
                                                          strict=True)]
             if live:
                 self.whole[one_sender, grouped] = plan
-        self.stats.extra["reduced_layers"] = 0
-        for (slots, total), units, sender, alone in zip(self.layout, plan, senders, sole,
-                                                        strict=True):
-            if alone and sender != self.rank:  # another rank's layer, nothing to reduce
+        self.stats.extra["gathered_layers"] = 0
+        for g, ((slots, total), units, sender, alone) in enumerate(zip(
+                self.layout, plan, senders, sole, strict=True)):
+            if alone and sender != self.rank:  # another rank's layer, nothing to gather
                 continue
             if units is not None:  # nothing to gather
                 t1 = time.perf_counter()
@@ -249,28 +271,52 @@ class WeightGatherer:
                     t1 = time.perf_counter()
                 continue
             t0 = time.perf_counter()
-            flat = torch.zeros(total, dtype=self.buffer_dtype, device=self.device)
-            for _, index, parts in slots:
-                for key, offset, shape in parts:
-                    full = flat[offset:offset + torch.Size(shape).numel()].view(shape)
-                    for data, offsets, sizes in self.local.get((key, index), ()):
-                        region = tuple(slice(o, o + n) for o, n in zip(offsets, sizes,
-                                                                      strict=True))
-                        # an offloaded actor's parameter: the same view of its host copy
-                        full[region].copy_(self.resolve(data).detach())
+            if self.rank != sender:  # a holder's pieces, packed, to the sender
+                if self.placement[self.rank][g]:
+                    self._send_pieces(slots, sender)
+                    self.stats.extra["gathered_layers"] += 1
+                self.stats.gather_s += time.perf_counter() - t0
+                continue
+            flat = (torch.empty if self.covered[g] else torch.zeros)(
+                total, dtype=self.buffer_dtype, device=self.device)
+            for offset, shape, data, offsets, sizes in self._pieces(slots):
+                # an offloaded actor's parameter: the same view of its host copy
+                _region(flat, offset, shape, offsets, sizes).copy_(self.resolve(data).detach())
             if not alone:
-                dist.reduce(flat, group_dst=sender, op=dist.ReduceOp.SUM, group=self.group)
-                self.stats.extra["reduced_layers"] += 1
+                for rank in self.owners[g]:
+                    if rank != sender:
+                        self._receive_pieces(flat, rank, g)
+                self.stats.extra["gathered_layers"] += 1
             t1 = time.perf_counter()
             self.stats.gather_s += t1 - t0
-            if self.rank != sender:
-                continue
             for entry, index, parts in slots:
                 tensors = [flat[offset:offset + torch.Size(shape).numel()].view(shape)
                            for _, offset, shape in parts]
                 for name, t in self._converted(entry, index, parts, tensors, t1, grouped):
                     yield name, self._counted(t, dtype)
                 t1 = time.perf_counter()
+
+    def _send_pieces(self, slots: list, sender: int) -> None:
+        pieces = list(self._pieces(slots))
+        packed = torch.empty(sum(math.prod(sizes) for *_, sizes in pieces),
+                             dtype=self.buffer_dtype, device=self.device)
+        at = 0
+        for _, _, data, _, sizes in pieces:
+            n = math.prod(sizes)
+            packed[at:at + n].view(sizes).copy_(self.resolve(data).detach())
+            at += n
+        dist.send(packed, group_dst=sender, group=self.group)
+
+    def _receive_pieces(self, flat: torch.Tensor, rank: int, g: int) -> None:
+        pieces = self.placement[rank][g]
+        packed = torch.empty(sum(math.prod(sizes) for *_, sizes in pieces),
+                             dtype=self.buffer_dtype, device=self.device)
+        dist.recv(packed, group_src=rank, group=self.group)
+        at = 0
+        for offset, shape, offsets, sizes in pieces:
+            n = math.prod(sizes)
+            _region(flat, offset, shape, offsets, sizes).copy_(packed[at:at + n].view(sizes))
+            at += n
 
     def _converted(self, entry: Entry, index: tuple[int, ...], parts: list,
                    tensors: list[torch.Tensor], t1: float, grouped: bool = False
@@ -294,6 +340,14 @@ class WeightGatherer:
         self.stats.tensors += 1
         self.stats.bytes += t.numel() * t.element_size()
         return t
+
+
+def _region(flat: torch.Tensor, offset: int, shape: tuple, offsets: tuple, sizes: tuple
+            ) -> torch.Tensor:
+    """A piece's place in a group's flat buffer: its part at `offset`, viewed as `shape`, then
+    the piece's `offsets` and `sizes` in it."""
+    full = flat[offset:offset + math.prod(shape)].view(shape)
+    return full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))]
 
 
 @functools.cache
@@ -390,7 +444,7 @@ class WeightSyncer:
         serves an FP8 checkpoint, docs/fp8.md); each weight and its scale share a bucket.
         `one_copy`: with the tensor transport, write straight into the parameters of engines
         that share them on this machine (engines/shared_weights.py). `look_ahead`: buckets
-        gathered and converted ahead of the one being sent, where the gather reduces (0: each
+        gathered and converted ahead of the one being sent, where the gather crosses ranks (0: each
         only after the previous one was sent, benchmarks/weight_sync.py's reference; they
         hold memory of their own where they were reduced). `by_owner=False`: every layer is
         reduced onto rank 0, which sends them all (the benchmark's reference for a sender per
@@ -472,12 +526,12 @@ class WeightSyncer:
         return self._timed(t_start, sent[0], ahead if not writers else None)
 
     def _ahead(self) -> _Ahead:
-        """The look-ahead where the gather reduces (TP, or one sender): with nothing to
-        reduce (one rank; PP or EP alone) the next bucket is made when it is wanted."""
-        reduces = getattr(self.gatherer, "reduces", None)
+        """The look-ahead where the gather crosses ranks (TP, or one sender): with nothing to
+        move (one rank; PP or EP alone) the next bucket is made when it is wanted."""
+        crosses = getattr(self.gatherer, "crosses_ranks", None)
         # where the gather's collectives run (a gatherer without one: the host)
         return _Ahead(getattr(self.gatherer, "device", torch.device("cpu")),
-                      self.look_ahead if reduces is None or reduces(self.one_sender) else 0)
+                      self.look_ahead if crosses is None or crosses(self.one_sender) else 0)
 
     def _timed(self, t_start: float, sent: int, ahead: _Ahead | None) -> SyncStats:
         stats = self.gatherer.stats
