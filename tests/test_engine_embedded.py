@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.engines import embedded_core
+from megatron_rl.engines import lean_decode as lean_decode_module
 from megatron_rl.engines.base import EngineError, GenerateRequest, SamplingParams
 from megatron_rl.engines.embedded import EmbeddedServer, InProcessEngine
 from megatron_rl.engines.embedded_core import (
@@ -833,17 +834,25 @@ def test_a_norm_of_another_formula_is_not_fused() -> None:
     assert embedded_core.fuse_rms_norms(model) == 0  # once is enough
 
 
-@pytest.mark.parametrize("name,gated_delta", [("tiny-moe", 0), ("tiny-qwen3.5", 3)])
+@pytest.mark.parametrize("name,gated_delta,moe", [("tiny-moe", 0, 2), ("tiny-qwen3.5", 3, 4)])
 def test_decode_steps_run_the_layers_directly_only_where_that_is_exactly_the_model(
-        name: str, gated_delta: int) -> None:
-    """Decode steps run the model's own modules in order, skipping the forward wrappers, and
-    the hybrid's Gated DeltaNet layers through the engine's single-step kernel, and still
-    write exactly `generate`'s tokens (padded rows joining and leaving); a model whose lean
-    path differs by a rounding is left on its own forward."""
+        name: str, gated_delta: int, moe: int) -> None:
+    """Decode steps run the model's own modules in order, skipping the forward wrappers, the
+    hybrid's Gated DeltaNet layers through the engine's single-step kernel and every MoE
+    block through `sparse_moe_decode`, and still write exactly `generate`'s tokens (padded
+    rows joining and leaving); a model whose lean path differs by a rounding is left on its
+    own forward, a part at a time."""
     model = hf_model(name)
     core = EmbeddedCore(model, max_batch_size=4)
     assert core.decode_step is not None
     assert core.decode_step.gated_delta_layers == gated_delta
+    assert core.decode_step.moe_blocks == moe
+    with pytest.MonkeyPatch.context() as mp:  # a lean MoE that rounds otherwise
+        sparse_moe_decode = lean_decode_module.sparse_moe_decode
+        mp.setattr(lean_decode_module, "sparse_moe_decode",
+                   lambda block, h: sparse_moe_decode(block, h) + 1e-6)
+        step = lean_decode(model, core.attention)
+        assert step.moe_blocks == 0 and step.gated_delta_layers == gated_delta
     calls = []
     lean = core.decode_step
     core.decode_step = lambda *a, **k: calls.append(a[0].shape[0]) or lean(*a, **k)

@@ -1,11 +1,12 @@
 """The embedded engine's decode step without the model's forward wrappers.
 
 A tiny model's decode step is mostly per-op overhead: the forward's wrappers (output capture,
-config defaults, mask building, output records) and, for Qwen3.5's Gated DeltaNet layers,
+config defaults, mask building, output records), for Qwen3.5's Gated DeltaNet layers
 transformers' reference kernels, written for whole sequences (transposes and fp32 copies of
-every input, a depthwise convolution through oneDNN for four products a channel). The step
-here runs the model's own modules in order and, for those layers, the same arithmetic in fewer
-ops. It is used only where a probe finds its logits bit for bit the model's own.
+every input, a depthwise convolution through oneDNN for four products a channel), and the MoE
+blocks' module wrappers and bookkeeping ops. The step here runs the model's own modules in
+order and, for those layers and blocks, the same arithmetic in fewer ops. It is used only
+where a probe finds its logits bit for bit the model's own.
 """
 
 from __future__ import annotations
@@ -62,19 +63,23 @@ def lean_decode(model: torch.nn.Module, attention: str = "bias"
     # rotary tables' positions: [rows, 1], or (Qwen3.5's multimodal RoPE) the text positions
     # once per section, as its forward expands them
     cases = _probe_cases(model)
+    lean_moe = [_sparse_moe(layer) for layer in layers]
     for own in ([lean_layers, None] if any(lean_layers) else [None]):
-        for sections in (None, 3):
-            for as_bias in ([True, False] if attention == "mask4d" else [False]):
-                step = _step(model, layers, recurrent, own, sections, as_bias)
-                if cases and _decodes_exactly(model, step, attention, cases):
-                    return step
+        for moe in ([lean_moe, None] if any(lean_moe) else [None]):
+            for sections in (None, 3):
+                for as_bias in ([True, False] if attention == "mask4d" else [False]):
+                    step = _step(model, layers, recurrent, own, sections, as_bias, moe)
+                    if cases and _decodes_exactly(model, step, attention, cases):
+                        return step
     return None
 
 
 def _step(model: torch.nn.Module, layers: list[torch.nn.Module], recurrent: list[bool],
-          lean_layers: list[bool] | None, sections: int | None, as_bias: bool = False
-          ) -> Callable[..., torch.Tensor]:
+          lean_layers: list[bool] | None, sections: int | None, as_bias: bool = False,
+          lean_moe: list[bool] | None = None) -> Callable[..., torch.Tensor]:
     inner = model.model
+    mlps = [functools.partial(sparse_moe_decode, layer.mlp) if lean_moe and lean_moe[i]
+            else layer.mlp for i, layer in enumerate(layers)]
 
     def step(ids: torch.Tensor, pos: torch.Tensor, cache: Any,
              attention_mask: torch.Tensor | None = None, **extra: Any) -> torch.Tensor:
@@ -83,7 +88,13 @@ def _step(model: torch.nn.Module, layers: list[torch.nn.Module], recurrent: list
                                 else pos[None].expand(sections, *pos.shape))
         for i, (layer, linear) in enumerate(zip(layers, recurrent, strict=True)):
             if lean_layers is not None and lean_layers[i]:
-                h = gated_delta_layer(layer, h, cache.layers[i])
+                h = gated_delta_layer(layer, h, cache.layers[i], mlps[i])
+            elif lean_moe and lean_moe[i] and not linear:
+                mask = None if as_bias else attention_mask
+                bias = {"position_bias": attention_mask} if as_bias else {}
+                h = attention_layer(layer, h, mlps[i], attention_mask=mask, position_ids=pos,
+                                    past_key_values=cache, use_cache=True,
+                                    position_embeddings=rope, **bias, **extra)
             elif as_bias and not linear and attention_mask is not None:
                 h = layer(h, attention_mask=None, position_bias=attention_mask,
                           position_ids=pos, past_key_values=cache, use_cache=True,
@@ -96,6 +107,7 @@ def _step(model: torch.nn.Module, layers: list[torch.nn.Module], recurrent: list
 
     step.gated_delta_layers = sum(lean_layers or ())  # type: ignore[attr-defined]
     step.as_bias = as_bias  # type: ignore[attr-defined]
+    step.moe_blocks = sum(lean_moe or ())  # type: ignore[attr-defined]
     return step
 
 
@@ -107,12 +119,72 @@ def _gated_delta_layer(layer: torch.nn.Module) -> bool:
                                                 "mlp")))
 
 
-def gated_delta_layer(layer: torch.nn.Module, h: torch.Tensor, states: Any) -> torch.Tensor:
-    """One decode step of a Gated DeltaNet decoder layer: token mixer, then the MLP (or MoE),
-    each around its residual."""
+def gated_delta_layer(layer: torch.nn.Module, h: torch.Tensor, states: Any,
+                      mlp: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
+    """One decode step of a Gated DeltaNet decoder layer: token mixer, then the MLP (or MoE;
+    `mlp`: what runs it, the layer's own by default), each around its residual."""
     h = h + gated_delta_decode(layer.linear_attn, layer.input_layernorm(h), states)
-    out = layer.mlp(layer.post_attention_layernorm(h))
+    out = (mlp or layer.mlp)(layer.post_attention_layernorm(h))
     return h + (out[0] if isinstance(out, tuple) else out)
+
+
+def attention_layer(layer: torch.nn.Module, h: torch.Tensor, mlp: Callable[[torch.Tensor], Any],
+                    **attention: Any) -> torch.Tensor:
+    """One decode step of a pre-norm attention decoder layer, its MLP run by `mlp`: the
+    layer's forward, line for line (the probe holds it to the layer's bits)."""
+    out = layer.self_attn(hidden_states=layer.input_layernorm(h), **attention)
+    h = h + (out[0] if isinstance(out, tuple) else out)
+    out = mlp(layer.post_attention_layernorm(h))
+    return h + (out[0] if isinstance(out, tuple) else out)
+
+
+def _sparse_moe(layer: torch.nn.Module) -> bool:
+    """A pre-norm decoder layer whose MLP is a sparse MoE block of the layout
+    `sparse_moe_decode` reads (transformers' Qwen3-MoE / Qwen3.5 blocks: a router module,
+    3D expert weights with gate and up concatenated, no biases; Qwen3.5's gated shared
+    expert), where torch has `grouped_mm`."""
+    mlp = getattr(layer, "mlp", None)
+    experts, shared = getattr(mlp, "experts", None), getattr(mlp, "shared_expert", None)
+    if (not hasattr(torch.nn.functional, "grouped_mm") or not hasattr(mlp, "gate")
+            or not all(hasattr(layer, p) for p in ("input_layernorm", "post_attention_layernorm"))
+            or not all(hasattr(experts, p) for p in ("act_fn", "num_experts"))):
+        return False
+    weights = [getattr(experts, p, None) for p in ("gate_up_proj", "down_proj")]
+    return (all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights)
+            and not getattr(experts, "has_bias", False)
+            and not getattr(experts, "is_transposed", False)
+            and (shared is None or (hasattr(mlp, "shared_expert_gate") and all(
+                hasattr(shared, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")))))
+
+
+def sparse_moe_decode(block: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """A sparse MoE block on a decode step's rows, h [rows, 1, hidden]: the model's router,
+    then the arithmetic of transformers' grouped-mm experts (the same sort, the same two
+    grouped GEMMs, the same sum over each token's experts) in fewer ops (counts by bincount,
+    the inverse permutation as one scatter) and without the modules' call wrappers; a shared
+    expert and its sigmoid gate as Qwen3.5's block adds them. ~0.7x the block's time at 16
+    rows."""
+    x = h.view(-1, h.shape[-1])
+    _, weights, chosen = block.gate(x)
+    experts, k = block.experts, chosen.shape[-1]
+    ids, perm = torch.sort(chosen.reshape(-1))
+    offsets = torch.cumsum(torch.bincount(ids, minlength=experts.num_experts), 0,
+                           dtype=torch.int32)
+    grouped_mm = torch.nn.functional.grouped_mm
+    gate, up = grouped_mm(x[perm // k], experts.gate_up_proj.transpose(-2, -1),
+                          offs=offsets).chunk(2, dim=-1)
+    down = grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(-2, -1),
+                      offs=offsets)
+    out = torch.empty_like(down)
+    out[perm] = down * weights.reshape(-1)[perm].unsqueeze(-1)
+    out = out.view(-1, k, x.shape[-1]).sum(dim=1)
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        linear = torch.nn.functional.linear
+        s = linear(shared.act_fn(linear(x, shared.gate_proj.weight))
+                   * linear(x, shared.up_proj.weight), shared.down_proj.weight)
+        out = out + torch.sigmoid(linear(x, block.shared_expert_gate.weight)) * s
+    return out.view(h.shape)
 
 
 def gated_delta_decode(attn: torch.nn.Module, x: torch.Tensor, states: Any) -> torch.Tensor:

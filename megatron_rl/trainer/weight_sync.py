@@ -131,8 +131,8 @@ class WeightGatherer:
                         for g, (_, total) in enumerate(self.layout)]
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if torch.cuda.is_available() else torch.device("cpu"))
-        # the parameters' own dtype: summing one owner's value with zeros is exact in any
-        # dtype, and a bf16 policy then syncs bf16 bytes
+        # the parameters' own dtype: pieces are copied, never summed, and a bf16 policy then
+        # syncs bf16 bytes
         self.buffer_dtype = next((data.dtype for chunks in self.local.values()
                                   for data, _, _ in chunks), torch.float32)
         self.stats = SyncStats()
