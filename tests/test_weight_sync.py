@@ -21,6 +21,8 @@ CASES = {  # layout → transport (ranks: 2 unless named)
     "pp2-disk": (["parallel.pp=2"], "disk"),
     "pp2-tensor": (["parallel.pp=2"], "tensor"),
     "pp2-tensor-http": (["parallel.pp=2"], "tensor-http"),
+    # both at once: the split dense layers gathered onto rank 0, each rank's experts its own
+    "tp2ep2-tensor": (["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"], "tensor"),
     # one rank: the one-copy path hands over live parameter views, the same ones every sync
     "1rank-tensor-twice": (["parallel.ep=1"], "tensor"),
 }
@@ -90,6 +92,10 @@ def test_engine_matches_trainer_after_sync(case, initial, tmp_path):
         assert [g["gathered_layers"] for g in got] == [0, 0]
         assert all(g["tensors"] > 0 for g in got)
         assert not any(g["crosses_ranks"] for g in got)  # the look-ahead has nothing to do
+        assert sum(g["tensors"] for g in got) == _hf_tensors(hf)
+    elif case.startswith("tp2ep2"):  # rank 1 sends its experts, its dense halves to rank 0
+        assert [g["gathered_layers"] for g in got] == [4, 4]
+        assert all(g["tensors"] > 0 and g["crosses_ranks"] for g in got)
         assert sum(g["tensors"] for g in got) == _hf_tensors(hf)
     elif not one:  # one sender: rank 0 gets what the others hold
         assert got[1]["tensors"] == 0 and r["tensors"] == _hf_tensors(hf)
