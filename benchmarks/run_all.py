@@ -35,7 +35,8 @@ BENCHMARKS: dict[str, list[str]] = {
     # best of 9 (of 5, the hybrid's mixed row read 1.17-1.48 on session 44's host, whose speed
     # moved +-25 % between half-second runs; of 9, 1.51-1.72 in six runs)
     "engine_vs_generate": ["--models", "tiny-moe,tiny-qwen3.5", "--repeats", "9"],
-    "prefix_cache": [],
+    # best of 5 (of 3, the IterSynth row read 1.08-1.28 on session 44's host)
+    "prefix_cache": ["--repeats", "5"],
     "microbatching": ["--openings", "176", "--roles", "2", "--median", "120", "--seq", "512",
                       "--rows", "48", "--micro", "4"],
     "partial_rollout": [],
