@@ -89,20 +89,16 @@ def _step(model: torch.nn.Module, layers: list[torch.nn.Module], recurrent: list
         for i, (layer, linear) in enumerate(zip(layers, recurrent, strict=True)):
             if lean_layers is not None and lean_layers[i]:
                 h = gated_delta_layer(layer, h, cache.layers[i], mlps[i])
-            elif lean_moe and lean_moe[i] and not linear:
-                mask = None if as_bias else attention_mask
-                bias = {"position_bias": attention_mask} if as_bias else {}
-                h = attention_layer(layer, h, mlps[i], attention_mask=mask, position_ids=pos,
-                                    past_key_values=cache, use_cache=True,
-                                    position_embeddings=rope, **bias, **extra)
-            elif as_bias and not linear and attention_mask is not None:
-                h = layer(h, attention_mask=None, position_bias=attention_mask,
-                          position_ids=pos, past_key_values=cache, use_cache=True,
-                          position_embeddings=rope, **extra)
-            else:
-                h = layer(h, attention_mask=None if linear else attention_mask,
-                          position_ids=pos, past_key_values=cache, use_cache=True,
-                          position_embeddings=rope, **extra)
+                continue
+            # a recurrent layer gets no padding (a decode token is never padding); an
+            # attention layer the mask, or the same values as sdpa's bias (`as_bias`)
+            padding = ({"attention_mask": None} if linear else
+                       {"attention_mask": None, "position_bias": attention_mask} if as_bias
+                       else {"attention_mask": attention_mask})
+            args = {"position_ids": pos, "past_key_values": cache, "use_cache": True,
+                    "position_embeddings": rope, **padding, **extra}
+            h = (attention_layer(layer, h, mlps[i], **args) if lean_moe and lean_moe[i]
+                 and not linear else layer(h, **args))
         return model.lm_head(inner.norm(h)[:, -1, :])
 
     step.gated_delta_layers = sum(lean_layers or ())  # type: ignore[attr-defined]
@@ -120,11 +116,11 @@ def _gated_delta_layer(layer: torch.nn.Module) -> bool:
 
 
 def gated_delta_layer(layer: torch.nn.Module, h: torch.Tensor, states: Any,
-                      mlp: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
-    """One decode step of a Gated DeltaNet decoder layer: token mixer, then the MLP (or MoE;
-    `mlp`: what runs it, the layer's own by default), each around its residual."""
+                      mlp: Callable[[torch.Tensor], Any]) -> torch.Tensor:
+    """One decode step of a Gated DeltaNet decoder layer: token mixer, then the MLP (or MoE)
+    run by `mlp` (the layer's own, or `sparse_moe_decode` on it), each around its residual."""
     h = h + gated_delta_decode(layer.linear_attn, layer.input_layernorm(h), states)
-    out = (mlp or layer.mlp)(layer.post_attention_layernorm(h))
+    out = mlp(layer.post_attention_layernorm(h))
     return h + (out[0] if isinstance(out, tuple) else out)
 
 

@@ -296,27 +296,26 @@ class WeightGatherer:
                     yield name, self._counted(t, dtype)
                 t1 = time.perf_counter()
 
+    def _packed(self, sizes: list[tuple]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One message for pieces of these sizes, and each piece's view of it, in order."""
+        numels = [math.prod(size) for size in sizes]
+        packed = torch.empty(sum(numels), dtype=self.buffer_dtype, device=self.device)
+        return packed, [v.view(size) for v, size in zip(packed.split(numels), sizes,
+                                                          strict=True)]
+
     def _send_pieces(self, slots: list, sender: int) -> None:
         pieces = list(self._pieces(slots))
-        packed = torch.empty(sum(math.prod(sizes) for *_, sizes in pieces),
-                             dtype=self.buffer_dtype, device=self.device)
-        at = 0
-        for _, _, data, _, sizes in pieces:
-            n = math.prod(sizes)
-            packed[at:at + n].view(sizes).copy_(self.resolve(data).detach())
-            at += n
+        packed, views = self._packed([sizes for *_, sizes in pieces])
+        for view, (_, _, data, _, _) in zip(views, pieces, strict=True):
+            view.copy_(self.resolve(data).detach())
         dist.send(packed, group_dst=sender, group=self.group)
 
     def _receive_pieces(self, flat: torch.Tensor, rank: int, g: int) -> None:
         pieces = self.placement[rank][g]
-        packed = torch.empty(sum(math.prod(sizes) for *_, sizes in pieces),
-                             dtype=self.buffer_dtype, device=self.device)
+        packed, views = self._packed([sizes for *_, sizes in pieces])
         dist.recv(packed, group_src=rank, group=self.group)
-        at = 0
-        for offset, shape, offsets, sizes in pieces:
-            n = math.prod(sizes)
-            _region(flat, offset, shape, offsets, sizes).copy_(packed[at:at + n].view(sizes))
-            at += n
+        for view, (offset, shape, offsets, sizes) in zip(views, pieces, strict=True):
+            _region(flat, offset, shape, offsets, sizes).copy_(view)
 
     def _converted(self, entry: Entry, index: tuple[int, ...], parts: list,
                    tensors: list[torch.Tensor], t1: float, grouped: bool = False
