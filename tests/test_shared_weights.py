@@ -29,7 +29,13 @@ from megatron_rl.engines.process_memory import map_process_memory
 from megatron_rl.engines.shared_weights import LAYOUT_FORMAT, SharedWeightWriter
 from megatron_rl.engines.write_control import WriteControlClient
 from megatron_rl.models.registry import get_model_spec
-from megatron_rl.trainer.weight_sync import SyncStats, WeightSyncer, _copy_all, _viewed_as
+from megatron_rl.trainer.weight_sync import (
+    SyncStats,
+    WeightSyncer,
+    _copy_all,
+    _copy_shares,
+    _viewed_as,
+)
 from tests.test_engine_embedded import (
     PROMPTS,
     TOL,
@@ -102,6 +108,33 @@ def test_one_copy_sync_writes_the_engines_parameters_in_place(models, tmp_path) 
     assert max_diff(out.output_logprobs, full_logprobs(new, PROMPTS[0], out.output_ids)) < TOL
 
 
+def test_later_syncs_of_the_same_tensors_reuse_the_plan_and_write_their_new_values(
+        models, tmp_path) -> None:
+    """The gatherer yields views of live parameters, which an optimizer step writes in place:
+    the next sync copies through the plan it made (no walk to the engine's names), and the
+    engine decodes the new values; a tensor that is another object is planned again."""
+    base, new = models
+    live = [(n, t.clone()) for n, t in checkpoint_tensors(base, tmp_path / "base")]
+    updated = dict(checkpoint_tensors(new, tmp_path / "new"))
+    gatherer = HFGatherer(live)
+    with EmbeddedServer(copy.deepcopy(base)).start() as srv:
+        with WeightSyncer(gatherer, [srv.url], transport="tensor") as syncer:
+            syncer.sync(1)
+            plan = syncer._plan
+            assert plan is not None
+            for name, t in live:  # the optimizer step
+                t.copy_(updated[name])
+            syncer.sync(2)
+            assert syncer._plan is plan
+            out = greedy_probe(srv.url, 12)
+            gatherer.named = [(n, t.clone()) for n, t in live]  # new objects, same values
+            syncer.sync(3)
+            assert syncer._plan is not plan and syncer._plan is not None
+            again = greedy_probe(srv.url, 12)
+    assert out.weight_versions == [2] * 12 and again.weight_versions == [3] * 12
+    assert out.output_ids == again.output_ids == hf_greedy(new, PROMPTS[0], 12)
+
+
 def test_an_engine_restarted_between_syncs_is_mapped_again(models, tmp_path) -> None:
     """The next sync finds another segment behind the same URL: it maps the new engine's
     memory and writes there, not into the old engine's."""
@@ -140,9 +173,11 @@ def test_the_copies_split_over_threads_write_every_element_once(threads) -> None
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _copy_all(pairs[::-1])  # any order in
+        shares = _copy_shares(pairs[::-1])  # any order in
+        _copy_all(shares)
     finally:
         torch.set_num_threads(previous)
+    assert len(shares) == threads
     assert all(torch.equal(d, s) for d, s in pairs)
     assert not memory[at:].any()  # nothing past the last destination
 

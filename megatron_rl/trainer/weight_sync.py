@@ -354,19 +354,20 @@ def _copy_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="weight-copy")
 
 
-def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """dst.copy_(src) for every pair, split over the intra-op threads: one copy of a few MB
-    gains little from torch's own split. Each thread takes an equal run of the destination in
-    address order (the engine's parameters lie back to back), so it streams through memory as
-    a memcpy does; a contiguous pair on a boundary is cut there."""
+Shares = list[list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def _copy_shares(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Shares:
+    """The pairs split over the intra-op threads: one copy of a few MB gains little from
+    torch's own split. Each thread takes an equal run of the destination in address order
+    (the engine's parameters lie back to back), so it streams through memory as a memcpy
+    does; a contiguous pair on a boundary is cut there. One share: copy them in turn."""
     n = torch.get_num_threads()
     if n <= 1 or len(copies) < 2 * n or torch.cuda.is_available():
-        for dst, src in copies:
-            dst.copy_(src)
-        return
+        return [copies]
     pairs = sorted(copies, key=lambda p: p[0].data_ptr())
     total = sum(dst.nbytes for dst, _ in pairs)
-    shares: list[list] = [[] for _ in range(n)]
+    shares: Shares = [[] for _ in range(n)]
     share, done = 0, 0
     for dst, src in pairs:
         edge = total * (share + 1) // n  # where this share ends, in bytes
@@ -382,9 +383,20 @@ def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         done += dst.nbytes
         while share < n - 1 and done >= total * (share + 1) // n:
             share += 1
+    return shares
+
+
+def _copy_all(shares: Shares) -> None:
+    """dst.copy_(src) for every pair, a thread per share (`_copy_shares`)."""
+    if len(shares) == 1:
+        for dst, src in shares[0]:
+            dst.copy_(src)
+        return
+    n = torch.get_num_threads()
     torch.set_num_threads(1)  # the engines are held: nothing else of ours computes now
     try:
-        list(_copy_pool(n).map(lambda pairs: [d.copy_(s) for d, s in pairs], shares))
+        list(_copy_pool(len(shares)).map(lambda pairs: [d.copy_(s) for d, s in pairs],
+                                         shares))
     finally:
         torch.set_num_threads(n)
 
@@ -457,6 +469,7 @@ class WeightSyncer:
         self.master_address, self.timeout_s = master_address, timeout_s
         self.one_copy, self.look_ahead = one_copy, look_ahead
         self._writers: list[SharedWeightWriter] | None = None
+        self._plan: tuple | None = None  # the last one-copy write's (key, shares, tensors)
         self._shared: bool | None = None  # every sender writes the engines' memory
         self.engines: list[HttpEngine] = []
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -621,6 +634,7 @@ class WeightSyncer:
             return None
 
     def _close_writers(self) -> None:
+        self._plan = None  # it holds views of the segments
         for w in self._writers or ():
             w.close()
         self._writers = []
@@ -638,7 +652,7 @@ class WeightSyncer:
             await asyncio.sleep(0)  # the requests leave before the walk holds the loop
         t0 = time.perf_counter()
         named = list(tensors)
-        copies, rest = self._targets(writers, named)
+        shares, rest = self._targets(writers, named)
         t_walked = time.perf_counter()
         if begun is not None:
             segments = await begun
@@ -646,9 +660,9 @@ class WeightSyncer:
             writers = self._writers = await self._map_segments()  # an engine restarted
             if not writers:
                 raise RuntimeError("an engine stopped sharing its weights mid-run")
-            copies, rest = self._targets(writers, named)
+            shares, rest = self._targets(writers, named)
         t1 = time.perf_counter()
-        _copy_all(copies)
+        _copy_all(shares)
         write_s = time.perf_counter() - t1
         await asyncio.gather(*(e.update_weights_from_tensors(left, None)
                                for e, left in zip(self.engines, rest, strict=True) if left))
@@ -661,9 +675,14 @@ class WeightSyncer:
             unshared=sum(len(left) for left in rest))
 
     def _targets(self, writers: list[SharedWeightWriter], named: list[tuple[str, torch.Tensor]]
-                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[Bucket]]:
-        """(engine parameter, tensor) pairs to copy, and per engine the (name, tensor) pairs
-        it does not share, in their HF shapes."""
+                 ) -> tuple[Shares, list[Bucket]]:
+        """(engine parameter, tensor) pairs to copy, split over the copying threads, and per
+        engine the (name, tensor) pairs it does not share, in their HF shapes. The same
+        tensor objects as last time (the gatherer's views of live parameters) into the same
+        writers: last time's plan (it holds them, so their ids are not reused)."""
+        key = ([id(w) for w in writers], [(name, id(t)) for name, t in named])
+        if self._plan is not None and self._plan[0] == key:
+            return self._plan[1], [[] for _ in writers]
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         rest: list[Bucket] = [[] for _ in writers]
         for name, t in named:
@@ -673,7 +692,10 @@ class WeightSyncer:
                     copies.append((dst, t))
                 else:  # t may be a view of a live parameter: the bucket keeps a copy
                     left.append((name, self.gatherer.hf_shaped(name, t).clone()))
-        return copies, rest
+        shares = _copy_shares(copies)
+        # kept only where every tensor is written in place (the rest are copies of values)
+        self._plan = (key, shares, named) if not any(rest) else None
+        return shares, rest
 
     def close(self) -> None:
         self._close_writers()
