@@ -138,11 +138,11 @@ def main() -> None:
     PROFILE, CHUNK = args.profile, args.chunk_tokens
 
     from megatron_rl.models.registry import get_model_spec
-    from megatron_rl.utils.host_memory import reuse_freed_memory
+    from megatron_rl.utils.host_memory import tune_host_memory
     from megatron_rl.utils.logs import quiet_libraries
 
     quiet_libraries()
-    reuse_freed_memory()  # as every megatron-rl process on a CPU host (every side alike)
+    tune_host_memory()  # as every megatron-rl process on a CPU host (every side alike)
     torch.set_num_threads(args.threads)
     cases = []
     for text in args.cases.split(","):

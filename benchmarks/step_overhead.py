@@ -28,7 +28,7 @@ from results import emit
 from megatron_rl.config.loader import load_config
 from megatron_rl.distributed.worker_pool import WorkerPool
 from megatron_rl.train import train
-from megatron_rl.utils.host_memory import reuse_freed_memory
+from megatron_rl.utils.host_memory import tune_host_memory
 from megatron_rl.utils.logs import quiet_libraries
 from megatron_rl.utils.metrics import read_metrics
 
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra config overrides")
     args = ap.parse_args()
     quiet_libraries()
-    reuse_freed_memory()  # as the `megatron-rl` CLI does in every process
+    tune_host_memory()  # as the `megatron-rl` CLI does in every process
     if args.from_metrics is not None:
         from_metrics(args.from_metrics)
     with tempfile.TemporaryDirectory() as out:

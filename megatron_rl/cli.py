@@ -731,11 +731,16 @@ def _user_errors(func: Any) -> Any:
     return run
 
 
+COMPUTE_COMMANDS = ("train", "sft", "lm-train", "climb", "eval", "eval-steps", "quickstart")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_rl.utils.host_memory import reuse_freed_memory
+    from megatron_rl.utils.host_memory import tune_host_memory
 
-    reuse_freed_memory()
+    # huge pages where tensors are computed on again and again (training, serving, eval);
+    # not for conversion, the index, data or inspection
+    tune_host_memory(huge_pages=args.command in COMPUTE_COMMANDS)
     try:
         return args.func(args)
     except ConfigError as e:

@@ -34,8 +34,10 @@ print(json.dumps({"applied": applied, "faults": faults}))
 
 
 def _probe(mode: str, env: dict[str, str] | None = None) -> dict:
+    # small pages (a tuned process's children inherit its huge-page switch)
+    clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
-                         check=True, env={**os.environ, **(env or {})})
+                         check=True, env={**clean, **(env or {})})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -56,3 +58,42 @@ def test_large_temporaries_reuse_freed_memory_instead_of_faulting_it_in_again():
 
 def test_a_users_own_glibc_tuning_wins():
     assert _probe("reuse", {"MALLOC_MMAP_MAX_": "65536"})["applied"] is False
+
+
+HUGE = """
+import json, sys, torch
+from megatron_rl.utils.host_memory import tune_host_memory
+applied = tune_host_memory() if sys.argv[1] == "tune" else {}
+x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MB, every page touched
+kb = [int(line.split()[1]) for line in open("/proc/self/smaps_rollup")
+      if line.startswith("AnonHugePages:")][0]
+print(json.dumps({"applied": applied, "huge_kb": kb}))
+"""
+
+
+def _huge(mode: str, env: dict[str, str] | None = None) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", HUGE, mode], capture_output=True, text=True,
+                         check=True, env={**clean, **(env or {})})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read()
+    except OSError:
+        return "[never]"
+
+
+@pytest.mark.skipif("[madvise]" not in _thp_mode(),
+                    reason="huge pages on request need the kernel's THP mode `madvise`")
+def test_large_tensors_land_on_huge_pages_and_a_users_switch_wins():
+    """With the kernel granting huge pages on request, a process that tuned its memory holds
+    a large tensor on them; untuned, or with the user's own switch off, on small pages."""
+    tuned, plain = _huge("tune"), _huge("plain")
+    assert tuned["applied"] == {"reuse_freed_memory": True, "huge_pages": True}
+    assert tuned["huge_kb"] >= 32 << 10  # at least half of the 64 MB tensor
+    assert plain["huge_kb"] == 0
+    off = _huge("tune", {"THP_MEM_ALLOC_ENABLE": "0"})
+    assert off["applied"]["huge_pages"] is False and off["huge_kb"] == 0

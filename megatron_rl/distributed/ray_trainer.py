@@ -88,11 +88,11 @@ class TrainerRank:
 
     def __init__(self, rank: int, world_size: int, env: dict[str, str]):
         os.environ.update(env)
-        from megatron_rl.utils.host_memory import reuse_freed_memory
+        from megatron_rl.utils.host_memory import tune_host_memory
         from megatron_rl.utils.logs import quiet_libraries
 
         quiet_libraries()
-        reuse_freed_memory()
+        tune_host_memory()
         self.rank, self.world_size = rank, world_size
         self._listener: socket.socket | None = None
 

@@ -36,9 +36,9 @@ def _worker_main(rank: int, world: int, port: int, threads: int, conn, env: dict
     quiet_libraries()
     import torch
 
-    from megatron_rl.utils.host_memory import reuse_freed_memory
+    from megatron_rl.utils.host_memory import tune_host_memory
 
-    reuse_freed_memory()
+    tune_host_memory()
     torch.set_num_threads(threads)
     from megatron_rl.distributed.process_groups import init_distributed, shutdown_distributed
 

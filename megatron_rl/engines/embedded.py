@@ -823,9 +823,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="how long a control call may block: a group join, a weight broadcast "
                         "or disk read, a call into the scheduler (504 after)")
     args = p.parse_args(argv)
-    from megatron_rl.utils.host_memory import reuse_freed_memory
+    from megatron_rl.utils.host_memory import tune_host_memory
 
-    reuse_freed_memory()
+    tune_host_memory()
     if engine_token() is None and not is_loopback_host(args.host):
         p.error(f"--host {args.host} is not loopback: set {TOKEN_ENV} in the environment")
     kw = dict(host=args.host, port=args.port, weight_version=args.weight_version,
