@@ -738,9 +738,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_rl.utils.host_memory import tune_host_memory
 
-    # huge pages where tensors are computed on again and again (training, serving, eval);
-    # not for conversion, the index, data or inspection
-    tune_host_memory(huge_pages=args.command in COMPUTE_COMMANDS)
+    # huge pages where tensors are computed on again and again (training, serving, eval); a
+    # conversion streams through memory once: its peak RSS first, glibc's defaults
+    tune_host_memory(reuse=args.command != "convert",
+                     huge_pages=args.command in COMPUTE_COMMANDS)
     try:
         return args.func(args)
     except ConfigError as e:

@@ -29,13 +29,8 @@ from megatron_rl.engines.process_memory import map_process_memory
 from megatron_rl.engines.shared_weights import LAYOUT_FORMAT, SharedWeightWriter
 from megatron_rl.engines.write_control import WriteControlClient
 from megatron_rl.models.registry import get_model_spec
-from megatron_rl.trainer.weight_sync import (
-    SyncStats,
-    WeightSyncer,
-    _copy_all,
-    _copy_shares,
-    _viewed_as,
-)
+from megatron_rl.trainer.weight_sync import SyncStats, WeightSyncer, _viewed_as
+from megatron_rl.utils.parallel_copy import copy_all, copy_shares
 from tests.test_engine_embedded import (
     PROMPTS,
     TOL,
@@ -173,8 +168,8 @@ def test_the_copies_split_over_threads_write_every_element_once(threads) -> None
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        shares = _copy_shares(pairs[::-1])  # any order in
-        _copy_all(shares)
+        shares = copy_shares(pairs[::-1], threads)  # any order in
+        copy_all(shares)
     finally:
         torch.set_num_threads(previous)
     assert len(shares) == threads
@@ -437,3 +432,36 @@ def test_shared_memory_dies_with_its_owner_even_on_sigkill() -> None:
     assert mapped[:5] == b"world"  # a live mapping keeps its pages until it is closed
     mapped.close()
     assert set(os.listdir("/dev/shm")) <= shm_before  # nothing left behind
+
+
+def test_an_updates_buckets_read_one_mapping_of_the_trainers_segment() -> None:
+    """The trainer writes every bucket into one segment; the engine maps it at the first
+    bucket, reads each later one through the same mapping (the bytes written since, not
+    stale ones) and unmaps it at the last; another segment's header unmaps one left over."""
+    from megatron_rl.engines.tensors import SharedBucket, ShmWriter, shm_header
+
+    gen = torch.Generator().manual_seed(0)
+    values = [[(f"w{i}", torch.randn(1000, 300, generator=gen)) for i in range(3)]
+              for _ in range(3)]
+    writer, maps = ShmWriter(), []
+    try:
+        for k, bucket in enumerate(values):
+            last = k == len(values) - 1
+            with SharedBucket(shm_header(writer.write(bucket)), keep=not last) as named:
+                assert all(torch.equal(a, b) for (_, a), (_, b) in zip(named, bucket,
+                                                                       strict=True))
+            maps.append(SharedBucket._kept.get(writer.segment.label, (None,))[0])
+        assert maps[0] is not None and maps[1] is maps[0]  # mapped once
+        assert maps[2] is None and maps[0].closed  # the last bucket unmapped it
+        with SharedBucket(shm_header(writer.write(values[0])), keep=True):
+            pass
+        other = ShmWriter()
+        try:
+            kept = SharedBucket._kept[writer.segment.label][0]
+            with SharedBucket(shm_header(other.write(values[1])), keep=False) as named:
+                assert torch.equal(named[0][1], values[1][0][1])
+            assert kept.closed and not SharedBucket._kept
+        finally:
+            other.close()
+    finally:
+        writer.close()

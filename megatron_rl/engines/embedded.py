@@ -528,7 +528,9 @@ class EmbeddedServer:
         try:
             # the server is TP 1: every entry is the same tensors, so decode the first only
             header = shm_header(payloads[0])
-            bucket = None if header is None else SharedBucket(header)
+            # the update's last bucket sets the version: earlier ones leave the segment
+            # mapped for the next
+            bucket = None if header is None else SharedBucket(header, keep=version is None)
             if header is None:
                 named = await self._in_thread(lambda: decode_safetensors(payloads[0]),
                                               "serialized_named_tensors")

@@ -34,6 +34,7 @@ from megatron_rl.engines.lean_decode import lean_decode, pad_bias
 from megatron_rl.engines.output_layer import TransposedOutputLayer, transpose_output_layer
 from megatron_rl.engines.prefix_cache import PrefixCache
 from megatron_rl.engines.shared_weights import SharedWeightStore
+from megatron_rl.utils.parallel_copy import Pairs, copy_all, copy_shares
 
 log = logging.getLogger(__name__)
 
@@ -370,10 +371,17 @@ class WeightLoader:
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """All-or-nothing: validates every tensor before touching any weight."""
         self.validate(named)
+        runs: Pairs = []  # parameter runs the tensors fill, copied over the cores at once
         for name, t in named:
             target, where, _ = self.map[name]
             flat = self.targets[target].data.view(-1)
-            flat[where] = t.reshape(-1).to(flat.dtype)
+            if isinstance(where, slice):
+                runs.append((flat[where], t.reshape(-1)))
+            else:
+                flat[where] = t.reshape(-1).to(flat.dtype)
+        # tied parameters take two names: one after the other, in the order given
+        tied = len({d.data_ptr() for d, _ in runs}) < len(runs)
+        copy_all([runs] if tied else copy_shares(runs))
 
     def coverage_gaps(self, names: list[str]) -> list[str]:
         """Parameters a full checkpoint with `names` leaves (partly) unwritten."""

@@ -23,13 +23,15 @@ from __future__ import annotations
 import base64
 import io
 import json
+import mmap
 from collections.abc import Iterable, Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from megatron_rl.engines.process_memory import ProcessMemory, map_process_memory
+from megatron_rl.utils.parallel_copy import copy_all, copy_shares
 
 FLATTENED = "flattened_bucket"
 SHM_FORMAT = "megatron-rl/shm-v2"
@@ -129,14 +131,17 @@ class ShmWriter:
             self.close()
             self.segment = ProcessMemory(total, "bucket")
         flat = torch.frombuffer(self.segment.map, dtype=torch.uint8, count=max(total, 1))
-        meta, offset = [], 0
+        meta, offset, runs = [], 0, []
         for name, t in named:
             n = t.numel() * t.element_size()
-            flat[offset:offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            runs.append((flat[offset:offset + n],
+                         t.detach().contiguous().reshape(-1).view(torch.uint8)))
             meta.append({"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
                          "start_idx": offset, "end_idx": offset + n, "numel": n})
             offset += n
-        del flat  # a live view would keep the segment from closing
+        # over this process's intra-op threads (a trainer rank's share of the cores)
+        copy_all(copy_shares(runs, torch.get_num_threads()))
+        del flat, runs  # a live view would keep the segment from closing
         header = {"format": SHM_FORMAT, **self.segment.address, "nbytes": total,
                   "metadata": meta}
         return base64.b64encode(json.dumps(header).encode()).decode("ascii")
@@ -149,17 +154,35 @@ class ShmWriter:
 
 class SharedBucket:
     """Engine side of `ShmWriter`: the named tensors as views of the mapped segment.
-    Use as a context manager; the views must not outlive it."""
+    Use as a context manager; the views must not outlive it. `keep`: leave the segment mapped
+    for the next bucket of the same update (the trainer writes every bucket into the same
+    segment, so its pages are mapped once: a 64 MB bucket faulted ~16k pages in each time);
+    the last bucket, or another segment's, unmaps it."""
 
-    def __init__(self, header: dict[str, Any]):
-        try:
-            # copy-on-write: a writable buffer for torch, the trainer's pages never change
-            self.map = map_process_memory(header, header.get("nbytes"), writable=False,
-                                          what="shm bucket")
-        except FileNotFoundError as e:
-            raise ValueError(f"{e} (the shm transport needs the engine on the trainer's "
-                             "machine)") from None
-        flat = torch.frombuffer(self.map, dtype=torch.uint8, count=header["nbytes"])
+    _kept: ClassVar[dict[str, tuple[mmap.mmap, int]]] = {}  # label → (map, bytes); one at most
+
+    def __init__(self, header: dict[str, Any], keep: bool = False):
+        label, nbytes = header.get("label"), header.get("nbytes")
+        kept = self._kept.pop(label, None) if isinstance(label, str) else None
+        for other, _ in self._kept.values():  # another update's, left by one that broke off
+            _unmap(other)
+        self._kept.clear()
+        if kept is not None and isinstance(nbytes, int) and 0 < nbytes <= kept[1]:
+            self.map, self.size = kept  # this label's memory, checked when it was mapped
+        else:
+            if kept is not None:
+                _unmap(kept[0])
+            try:
+                # copy-on-write: a writable buffer for torch; nothing here writes to it, so
+                # every read sees the trainer's pages as they are now
+                self.map = map_process_memory(header, nbytes, writable=False,
+                                              what="shm bucket")
+            except FileNotFoundError as e:
+                raise ValueError(f"{e} (the shm transport needs the engine on the trainer's "
+                                 "machine)") from None
+            self.size = nbytes
+        self.label, self.keep = label, keep
+        flat = torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes)
         self.named = unflatten_bucket(flat, header["metadata"])
 
     def __enter__(self) -> list[tuple[str, torch.Tensor]]:
@@ -167,7 +190,17 @@ class SharedBucket:
 
     def __exit__(self, *exc: object) -> None:
         self.named = []
-        self.map.close()
+        if self.keep and exc[0] is None:
+            self._kept[self.label] = (self.map, self.size)
+        else:
+            _unmap(self.map)
+
+
+def _unmap(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:  # a caller still holds a view: the mapping goes when it does
+        pass
 
 
 def shm_header(payload: str) -> dict[str, Any] | None:

@@ -50,6 +50,7 @@ from megatron_rl.engines.http_client import HttpEngine
 from megatron_rl.engines.shared_weights import SharedWeightWriter
 from megatron_rl.engines.tensors import buckets_with_last, split_buckets
 from megatron_rl.models.registry import ModelSpec
+from megatron_rl.utils.parallel_copy import Pairs, copy_all, copy_shares
 
 TRANSPORTS = ("tensor", "distributed", "disk")
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -349,58 +350,6 @@ def _region(flat: torch.Tensor, offset: int, shape: tuple, offsets: tuple, sizes
     return full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))]
 
 
-@functools.cache
-def _copy_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="weight-copy")
-
-
-Shares = list[list[tuple[torch.Tensor, torch.Tensor]]]
-
-
-def _copy_shares(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Shares:
-    """The pairs split over the intra-op threads: one copy of a few MB gains little from
-    torch's own split. Each thread takes an equal run of the destination in address order
-    (the engine's parameters lie back to back), so it streams through memory as a memcpy
-    does; a contiguous pair on a boundary is cut there. One share: copy them in turn."""
-    n = torch.get_num_threads()
-    if n <= 1 or len(copies) < 2 * n or torch.cuda.is_available():
-        return [copies]
-    pairs = sorted(copies, key=lambda p: p[0].data_ptr())
-    total = sum(dst.nbytes for dst, _ in pairs)
-    shares: Shares = [[] for _ in range(n)]
-    share, done = 0, 0
-    for dst, src in pairs:
-        edge = total * (share + 1) // n  # where this share ends, in bytes
-        if (share < n - 1 and done + dst.nbytes > edge and dst.is_contiguous()
-                and src.is_contiguous()):
-            k = (edge - done) // dst.element_size()
-            flat_dst, flat_src = dst.view(-1), src.view(-1)
-            shares[share].append((flat_dst[:k], flat_src[:k]))
-            share += 1
-            shares[share].append((flat_dst[k:], flat_src[k:]))
-        else:
-            shares[share].append((dst, src))
-        done += dst.nbytes
-        while share < n - 1 and done >= total * (share + 1) // n:
-            share += 1
-    return shares
-
-
-def _copy_all(shares: Shares) -> None:
-    """dst.copy_(src) for every pair, a thread per share (`_copy_shares`)."""
-    if len(shares) == 1:
-        for dst, src in shares[0]:
-            dst.copy_(src)
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the engines are held: nothing else of ours computes now
-    try:
-        list(_copy_pool(len(shares)).map(lambda pairs: [d.copy_(s) for d, s in pairs],
-                                         shares))
-    finally:
-        torch.set_num_threads(n)
-
-
 def _viewed_as(dst: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor | None:
     """`dst` (an engine's HF-shaped parameter) in `t`'s shape when t is its value: the same
     shape, or grouped ([groups, rows, cols] for [groups * rows, cols], `WeightMap.to_hf`)."""
@@ -662,7 +611,7 @@ class WeightSyncer:
                 raise RuntimeError("an engine stopped sharing its weights mid-run")
             shares, rest = self._targets(writers, named)
         t1 = time.perf_counter()
-        _copy_all(shares)
+        copy_all(shares)
         write_s = time.perf_counter() - t1
         await asyncio.gather(*(e.update_weights_from_tensors(left, None)
                                for e, left in zip(self.engines, rest, strict=True) if left))
@@ -675,7 +624,7 @@ class WeightSyncer:
             unshared=sum(len(left) for left in rest))
 
     def _targets(self, writers: list[SharedWeightWriter], named: list[tuple[str, torch.Tensor]]
-                 ) -> tuple[Shares, list[Bucket]]:
+                 ) -> tuple[list[Pairs], list[Bucket]]:
         """(engine parameter, tensor) pairs to copy, split over the copying threads, and per
         engine the (name, tensor) pairs it does not share, in their HF shapes. The same
         tensor objects as last time (the gatherer's views of live parameters) into the same
@@ -692,7 +641,7 @@ class WeightSyncer:
                     copies.append((dst, t))
                 else:  # t may be a view of a live parameter: the bucket keeps a copy
                     left.append((name, self.gatherer.hf_shaped(name, t).clone()))
-        shares = _copy_shares(copies)
+        shares = copy_shares(copies, torch.get_num_threads())
         # kept only where every tensor is written in place (the rest are copies of values)
         self._plan = (key, shares, named) if not any(rest) else None
         return shares, rest
