@@ -33,10 +33,11 @@ print(json.dumps({"applied": applied, "faults": faults}))
 """
 
 
-def _probe(mode: str, env: dict[str, str] | None = None) -> dict:
-    # small pages (a tuned process's children inherit its huge-page switch)
+def _probe(mode: str, env: dict[str, str] | None = None, code: str = PROBE) -> dict:
+    """`code` in a fresh process; its last line's JSON. Without the huge-page switch a tuned
+    process (this one may be) hands its children."""
     clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
                          check=True, env={**clean, **(env or {})})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -71,13 +72,6 @@ print(json.dumps({"applied": applied, "huge_kb": kb}))
 """
 
 
-def _huge(mode: str, env: dict[str, str] | None = None) -> dict:
-    clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    out = subprocess.run([sys.executable, "-c", HUGE, mode], capture_output=True, text=True,
-                         check=True, env={**clean, **(env or {})})
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _thp_mode() -> str:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -91,9 +85,9 @@ def _thp_mode() -> str:
 def test_large_tensors_land_on_huge_pages_and_a_users_switch_wins():
     """With the kernel granting huge pages on request, a process that tuned its memory holds
     a large tensor on them; untuned, or with the user's own switch off, on small pages."""
-    tuned, plain = _huge("tune"), _huge("plain")
+    tuned, plain = _probe("tune", code=HUGE), _probe("plain", code=HUGE)
     assert tuned["applied"] == {"reuse_freed_memory": True, "huge_pages": True}
     assert tuned["huge_kb"] >= 32 << 10  # at least half of the 64 MB tensor
     assert plain["huge_kb"] == 0
-    off = _huge("tune", {"THP_MEM_ALLOC_ENABLE": "0"})
+    off = _probe("tune", {"THP_MEM_ALLOC_ENABLE": "0"}, HUGE)
     assert off["applied"]["huge_pages"] is False and off["huge_kb"] == 0
