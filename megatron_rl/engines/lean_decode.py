@@ -120,8 +120,7 @@ def gated_delta_layer(layer: torch.nn.Module, h: torch.Tensor, states: Any,
     """One decode step of a Gated DeltaNet decoder layer: token mixer, then the MLP (or MoE)
     run by `mlp` (the layer's own, or `sparse_moe_decode` on it), each around its residual."""
     h = h + gated_delta_decode(layer.linear_attn, layer.input_layernorm(h), states)
-    out = mlp(layer.post_attention_layernorm(h))
-    return h + (out[0] if isinstance(out, tuple) else out)
+    return _with_mlp(layer, h, mlp)
 
 
 def attention_layer(layer: torch.nn.Module, h: torch.Tensor, mlp: Callable[[torch.Tensor], Any],
@@ -129,7 +128,12 @@ def attention_layer(layer: torch.nn.Module, h: torch.Tensor, mlp: Callable[[torc
     """One decode step of a pre-norm attention decoder layer, its MLP run by `mlp`: the
     layer's forward, line for line (the probe holds it to the layer's bits)."""
     out = layer.self_attn(hidden_states=layer.input_layernorm(h), **attention)
-    h = h + (out[0] if isinstance(out, tuple) else out)
+    return _with_mlp(layer, h + (out[0] if isinstance(out, tuple) else out), mlp)
+
+
+def _with_mlp(layer: torch.nn.Module, h: torch.Tensor, mlp: Callable[[torch.Tensor], Any]
+              ) -> torch.Tensor:
+    """The layer's post-attention norm, `mlp` (a MoE block answers a tuple), its residual."""
     out = mlp(layer.post_attention_layernorm(h))
     return h + (out[0] if isinstance(out, tuple) else out)
 

@@ -6,11 +6,13 @@
   shape one log-prob pass faulted ~205k pages, 0.33 s of a 1.06 s pass. With mmap and heap
   trimming off the freed temporaries stay in the heap and the next pass reuses them: 0
   faults, 0.70-0.78 s.
-- **Large tensors on huge pages.** torch aligns CPU tensors of 2 MB and more to 2 MB and asks
-  the kernel for transparent huge pages there (`THP_MEM_ALLOC_ENABLE`, read at the first such
-  allocation); a host whose THP setting is `madvise` (the common default) then backs them with
-  2 MB pages: a 512th of the page faults and TLB misses when [tokens, vocab] temporaries are
-  streamed. The same pass on an EPYC host: 0.92 s by default, 0.78 s reused, 0.63 s both.
+- **Large tensors on huge pages.** With `THP_MEM_ALLOC_ENABLE` (read at torch's first CPU
+  allocation) torch page-aligns CPU tensors of 2 MB and more and asks the kernel for
+  transparent huge pages there (`madvise`); a host whose THP setting is `madvise` (the common
+  default) then backs them with 2 MB pages: far fewer page faults and TLB misses when
+  [tokens, vocab] temporaries are streamed. The same pass on session 45's EPYC, against
+  glibc's default: 0.86 reused, 0.83-0.86 reused with huge pages (huge pages alone: 0.92 ->
+  0.70 s in one probe).
 
 `benchmarks/host_allocator.py`, `tests/test_host_memory.py`.
 """
