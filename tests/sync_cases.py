@@ -95,3 +95,11 @@ def step_sync_probe(overrides: list[str], init: str, url: str, transport: str,
             "trainer_after": trainer_logprobs(actor, after[0]), "tensors": stats.tensors,
             "bytes": stats.bytes, "gathered_layers": stats.extra["gathered_layers"],
             "crosses_ranks": syncer.gatherer.crosses_ranks(syncer.one_sender)}
+
+
+def yield_order(overrides: list[str], init: str) -> list[tuple[str, int]]:
+    """Rank 0's `hf_tensors(one_sender=True)`: each (HF name, layer groups gathered from
+    other ranks before it was yielded); every rank drives the iterator."""
+    gatherer = gatherer_for(_loaded_actor(overrides, init))
+    return [(name, gatherer.stats.extra["gathered_layers"])
+            for name, _ in gatherer.hf_tensors(one_sender=True)]

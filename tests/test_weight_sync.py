@@ -107,6 +107,23 @@ def test_engine_matches_trainer_after_sync(case, initial, tmp_path):
         assert not r["crosses_ranks"]
 
 
+def test_what_needs_no_gather_is_yielded_before_the_first_gather(initial):
+    """At TP2 (experts not split) rank 0 yields what it holds whole (norms, router gates,
+    experts) before it gathers anything, so a look-ahead gathers the split attention and
+    vocabulary matrices while those are sent; then every gathered group; each name once."""
+    init, hf = initial
+    order = get_pool(2).run(sync_cases.yield_order, ["parallel.tp=2"], init)[0]
+    names = [name for name, _ in order]
+    first = next(k for k, (_, gathered) in enumerate(order) if gathered)
+    alone, split = names[:first], names[first:]
+    assert {n.rsplit(".", 2)[-2] for n in split} == {"embed_tokens", "lm_head", "q_proj",
+                                                     "k_proj", "v_proj", "o_proj"}
+    assert {n.rsplit(".", 2)[-2] for n in alone} == {
+        "input_layernorm", "q_norm", "k_norm", "post_attention_layernorm", "gate", "gate_proj",
+        "up_proj", "down_proj", "norm"}
+    assert len(set(names)) == len(names) == _hf_tensors(hf)
+
+
 @pytest.mark.parametrize("depth", [1, 3])
 def test_the_next_buckets_are_gathered_while_the_current_one_is_sent(depth):
     """The bucketed transports' look-ahead: producing items k+1 .. k+depth (the layers'

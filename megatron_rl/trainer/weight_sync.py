@@ -1,7 +1,8 @@
 """Weight sync: the trainer's Megatron shards → full HF-named tensors → rollout engines.
 
-Gather. Every trainer rank walks the weight map's units in the same order, one layer at a time,
-each layer's units grouped by the ranks that hold pieces of them as *main replica* (megatron's
+Gather. Every trainer rank walks the weight map's units in the same order, one layer at a time
+(the groups that need no gather first), each layer's units grouped by the ranks that hold
+pieces of them as *main replica* (megatron's
 own sharding metadata says which layer, expert and TP slice each local parameter is). The
 group's sender, the lowest rank holding a piece, fills a flat buffer with its own pieces; each
 other holder sends its pieces to it, packed in one message, and the sender puts them in place
@@ -23,7 +24,9 @@ after a barrier rank 0 alone moves the version (or loads the folder): no engine 
 version while a sender's layers are still old. `distributed` sends everything from rank 0 (its
 broadcast group has one source).
 On these three, where the gather crosses ranks, the next buckets (`look_ahead`, 3) are gathered
-and converted in a worker thread while the current one is sent (`_Ahead`).
+and converted in a worker thread while the current one is sent (`_Ahead`); what needs no
+gather goes first, so even the first buckets' sends hide gathers (TP2: the vocabulary
+matrices, 16-19 ms each here, had been the first and an unhidden lump).
 """
 
 from __future__ import annotations
@@ -258,8 +261,10 @@ class WeightGatherer:
             if live:
                 self.whole[one_sender, grouped] = plan
         self.stats.extra["gathered_layers"] = 0
-        for g, ((slots, total), units, sender, alone) in enumerate(zip(
-                self.layout, plan, senders, sole, strict=True)):
+        # what needs no gather first: a look-ahead then gathers the rest (the TP-split
+        # vocabulary matrices, the largest) while those are sent. Every rank, one order
+        for g in sorted(range(len(self.layout)), key=lambda g: not sole[g]):
+            (slots, total), units, sender, alone = self.layout[g], plan[g], senders[g], sole[g]
             if alone and sender != self.rank:  # another rank's layer, nothing to gather
                 continue
             if units is not None:  # nothing to gather
