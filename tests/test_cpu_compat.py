@@ -182,3 +182,29 @@ def test_local_rmsnorm_is_torchs_rms_norm_bit_for_bit(shape):
         runs.append([out.detach(), x.grad, w.grad])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
     assert all(t.abs().sum() > 0 for t in runs[0])
+
+
+@pytest.mark.parametrize("shape", [(4096, 64), (37, 48)])
+def test_grouped_experts_gate_node_is_autograds_composite_bit_for_bit(shape):
+    """The grouped experts' silu(gate) * up * probs (one autograd node, both halves' gradients
+    in one tensor): output and the gradients of [gate | up] and of the probabilities exactly
+    those of autograd through chunk, silu and the two products."""
+    from megatron_rl.models.layer_specs import _SiluGateTimesProbs
+
+    rows, half = shape
+    g = torch.Generator().manual_seed(rows)
+    fused0 = torch.randn(rows, 2 * half, generator=g) * 3
+    probs0, upstream = torch.rand(rows, generator=g), torch.randn(rows, half, generator=g)
+
+    def composite(fused, probs):
+        gate, up = fused.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up * probs.unsqueeze(-1)
+
+    runs = []
+    for fn in (_SiluGateTimesProbs.apply, composite):
+        fused, probs = fused0.clone().requires_grad_(), probs0.clone().requires_grad_()
+        out = fn(fused, probs)
+        out.backward(upstream)
+        runs.append([out.detach(), fused.grad, probs.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert all(t.abs().sum() > 0 for t in runs[0])
