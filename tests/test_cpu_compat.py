@@ -141,6 +141,23 @@ def test_grads_accumulate_into_main_grad_as_ddp_hooks_add_them():
     assert out["nonzero"] >= out["params"] - 2  # (an expert may get no token)
 
 
+def _outputs_and_grads(fns, inputs: list[torch.Tensor], upstream: torch.Tensor) -> list[list]:
+    """Per function: its output and the gradients of fresh copies of `inputs` after a
+    backward from `upstream`."""
+    runs = []
+    for fn in fns:
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        out.backward(upstream)
+        runs.append([out.detach(), *(t.grad for t in leaves)])
+    return runs
+
+
+def _assert_same_bits(runs: list[list]) -> None:
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert all(t.abs().sum() > 0 for t in runs[0])
+
+
 def test_rope_backward_writes_autograds_values_bit_for_bit():
     """The rope shim's function: output and gradient exactly those of autograd through the
     ops it replaces (halves of the last dim negated, chunked, concatenated), with a
@@ -153,15 +170,9 @@ def test_rope_backward_writes_autograds_values_bit_for_bit():
     freqs = torch.rand(12, 1, 1, 16, generator=g) * 6
     upstream = torch.randn(2, 12, 3, 16, generator=g).transpose(0, 1)  # strided like q's
     cos, sin = torch.cos(freqs), torch.sin(freqs)
-    runs = []
-    for fn in (lambda t: cpu_compat._Rope.apply(t, cos, sin),
-               lambda t: t * cos + rope_utils._rotate_half(t, False) * sin):
-        t = t0.clone().requires_grad_()
-        out = fn(t)
-        out.backward(upstream)
-        runs.append([out.detach(), t.grad])
-    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-    assert runs[0][1].abs().sum() > 0
+    _assert_same_bits(_outputs_and_grads(
+        (lambda t: cpu_compat._Rope.apply(t, cos, sin),
+         lambda t: t * cos + rope_utils._rotate_half(t, False) * sin), [t0], upstream))
 
 
 @pytest.mark.parametrize("shape", [(64, 32), (12, 2, 3, 16), (30, 48)])
@@ -173,15 +184,9 @@ def test_local_rmsnorm_is_torchs_rms_norm_bit_for_bit(shape):
     g = torch.Generator().manual_seed(0)
     x0, upstream = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
     w0 = torch.rand(shape[-1], generator=g) + 0.5
-    runs = []
-    for fn in (lambda x, w: _RMSNorm.apply(x, w, 1e-6),
-               lambda x, w: torch.nn.functional.rms_norm(x, w.shape, w, 1e-6)):
-        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        out = fn(x, w)
-        out.backward(upstream)
-        runs.append([out.detach(), x.grad, w.grad])
-    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-    assert all(t.abs().sum() > 0 for t in runs[0])
+    _assert_same_bits(_outputs_and_grads(
+        (lambda x, w: _RMSNorm.apply(x, w, 1e-6),
+         lambda x, w: torch.nn.functional.rms_norm(x, w.shape, w, 1e-6)), [x0, w0], upstream))
 
 
 @pytest.mark.parametrize("shape", [(4096, 64), (37, 48)])
@@ -200,11 +205,5 @@ def test_grouped_experts_gate_node_is_autograds_composite_bit_for_bit(shape):
         gate, up = fused.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up * probs.unsqueeze(-1)
 
-    runs = []
-    for fn in (_SiluGateTimesProbs.apply, composite):
-        fused, probs = fused0.clone().requires_grad_(), probs0.clone().requires_grad_()
-        out = fn(fused, probs)
-        out.backward(upstream)
-        runs.append([out.detach(), fused.grad, probs.grad])
-    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-    assert all(t.abs().sum() > 0 for t in runs[0])
+    _assert_same_bits(_outputs_and_grads((_SiluGateTimesProbs.apply, composite),
+                                         [fused0, probs0], upstream))
