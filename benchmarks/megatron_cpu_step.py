@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     # 4 x 1,024's 1.2 s steps: 12 rounds read 0.95 (the bare step, which does less, 3 %
     # slower than the full one), 24 read 1.01
-    p.add_argument("--steps", type=int, default=24, help="at least this many steps each")
+    p.add_argument("--steps", type=int, default=24, help="at least this many rounds")
     # 8 x 256 with 8 s (~57 rounds) read 0.984-1.068 in one session, with 40 s 1.029-1.034
     p.add_argument("--seconds", type=float, default=20.0,
                    help="and alternate steps for at least this long per case")
