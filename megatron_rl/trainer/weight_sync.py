@@ -2,15 +2,14 @@
 
 Gather. Every trainer rank walks the weight map's units in the same order, one layer at a time
 (the groups that need no gather first), each layer's units grouped by the ranks that hold
-pieces of them as *main replica* (megatron's own sharding metadata says which layer, expert
-and TP slice each local parameter is). The group's sender, the lowest rank holding a piece,
-fills a flat buffer with its own pieces; each other holder sends its pieces to it, packed in
-one message, and the sender puts them in place (where each goes was exchanged once):
-correct for any TP/PP/EP/DP layout, and only a group's
-holders take part, each moving only what it holds. So each pipeline stage sends its own layers
-(its first rank) and each expert-parallel rank its own experts; a group that one rank holds
-whole (PP, EP without TP) is gathered from nowhere. The sender converts the group to HF names
-with the same `WeightMap` the converters use.
+pieces of them as *main replica* (megatron's own sharding metadata says which layer, expert and
+TP slice each local parameter is). The group's sender, the lowest rank holding a piece, fills a
+flat buffer with its own pieces; each other holder sends its pieces to it, packed in one
+message, and the sender puts them in place (where each goes was exchanged once): correct for
+any TP/PP/EP/DP layout, and only a group's holders take part, each moving only what it holds.
+So each pipeline stage sends its own layers (its first rank) and each expert-parallel rank its
+own experts; a group that one rank holds whole (PP, EP without TP) is gathered from nowhere.
+The sender converts the group to HF names with the same `WeightMap` the converters use.
 
 Transfer. Each sender streams its HF tensors, in buckets, to every engine, over one of:
   tensor       `/update_weights_from_tensor` (the colocated path: a shared-memory segment for
