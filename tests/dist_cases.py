@@ -334,3 +334,29 @@ def foreach_adam_against_loop(folder: str) -> dict:
     return {"built": built, "loaded": loaded[0],
             "same": all(torch.equal(params[0][k], params[1][k]) for k in params[0]),
             "moved": sum(not torch.equal(params[0][k], start[k]) for k in start)}
+
+
+def non_finite_step(overrides: list[str], poisoned_rank: int) -> dict:
+    """A train step whose loss is NaN on one rank only, then a clean one: what each reports
+    and whether the weights moved."""
+    import dataclasses
+
+    actor = make_actor(overrides)
+    start = {k: v.detach().clone() for k, v in actor.parameters().items()}
+
+    def poisoned(logprobs, entropy, mb):
+        out = lm_loss(logprobs, entropy, mb)
+        if dist.get_rank() == poisoned_rank:
+            return dataclasses.replace(out, loss_sum=out.loss_sum * float("nan"))
+        return out
+
+    batch = fixed_batch()
+    bad = actor.train_step(batch, poisoned)
+    after_bad = actor.parameters()
+    unchanged = all(torch.equal(start[k], after_bad[k]) for k in start)
+    good = actor.train_step(batch, lm_loss)
+    after = actor.parameters()
+    return {"bad": bad, "unchanged": unchanged, "good": good,
+            "finite": all(bool(torch.isfinite(v).all()) for v in after.values()),
+            "moved": sum(not torch.equal(start[k], after[k]) for k in start),
+            "optimizer_steps": actor.optimizer_steps}

@@ -148,3 +148,16 @@ def test_the_actors_adam_runs_its_foreach_form_bit_for_bit(tmp_path):
     got = get_pool(1).run(dist_cases.foreach_adam_against_loop, str(tmp_path / "ckpt"))[0]
     assert got["built"] and all(got["built"]) and all(got["loaded"]), got
     assert got["same"] and got["moved"] > 10, got
+
+
+@pytest.mark.parametrize("layout", [["optim.clip_grad=1.0"],
+                                    ["parallel.ep=2", "parallel.distributed_optimizer=true"]])
+def test_a_step_with_a_non_finite_gradient_is_skipped_on_every_rank(layout):
+    """NaN on one rank's loss reaches every rank's gradient norm: no rank updates (an update
+    would write NaN into every weight), all report it, and the next step trains."""
+    out = get_pool(2).run(dist_cases.non_finite_step, layout, 1)
+    for rank in out:
+        assert rank["bad"]["skipped"] == 1.0 and rank["unchanged"], rank["bad"]
+        assert rank["bad"]["grad_norm"] != rank["bad"]["grad_norm"]  # NaN
+        assert rank["good"]["skipped"] == 0.0 and rank["good"]["grad_norm"] > 0
+        assert rank["finite"] and rank["moved"] > 10 and rank["optimizer_steps"] == 1, rank

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -28,6 +30,8 @@ from megatron_rl.trainer.microbatching import (
     packing_unsupported,
 )
 from megatron_rl.trainer.offload import MoveStats, Offloader, torch_optimizers
+
+logger = logging.getLogger(__name__)
 
 # reported-metric keys of a loss's token means and their count (`LossOutput.token_metrics`)
 TOKEN_MEAN, MASKED_TOKENS = "token_mean/", "token_mean/__count__"
@@ -93,10 +97,12 @@ class MegatronActor:
         self.config = module.config
         self.routing = RoutingReplay([module], self.config) if replay else None
         freeze(module, cfg.optim.frozen)
+        # no per-bucket NaN check before the reduction (it raises on the rank that sees one
+        # while the others wait in the collective): the optimizer skips a non-finite norm
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=cfg.parallel.distributed_optimizer,
-            check_for_nan_in_grad=True)
+            check_for_nan_in_grad=False)
         self.model = [DistributedDataParallel(self.config, ddp_config, module)]
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
@@ -124,7 +130,12 @@ class MegatronActor:
             use_distributed_optimizer=self.cfg.parallel.distributed_optimizer,
             optimizer_cpu_offload=o.cpu_offload_fraction > 0,
             optimizer_offload_fraction=o.cpu_offload_fraction)
+        from megatron.core.optimizer import ChainedOptimizer
+
         optimizer = get_megatron_optimizer(config, self.model)
+        if not isinstance(optimizer, ChainedOptimizer):  # its step always computes the norm
+            optimizer = ChainedOptimizer([optimizer])
+        _skip_non_finite(optimizer)
         for inner in torch_optimizers(optimizer):
             if isinstance(inner, torch.optim.Adam):  # AdamW too
                 _foreach(inner)
@@ -409,6 +420,29 @@ def _gathered_logits(*, hidden_states, output_layer, output_weight, vocab: int, 
     logits, _ = output_layer(hidden_states, weight=output_weight)
     logits = gather_from_tensor_model_parallel_region(logits)  # [s, b, V_padded]
     return logits[..., :vocab].transpose(0, 1).float().contiguous()
+
+
+def _skip_non_finite(optimizer) -> None:
+    """Make a step whose gradient norm is NaN or inf change nothing and report `ok=False`.
+
+    Megatron's fp32 optimizer would clip by a NaN coefficient (a no-op) and let Adam write NaN
+    into every weight. The norm is the one the step computes anyway, reduced over every rank
+    that holds a share of the model, so all ranks skip together (verl skips such a step too).
+    """
+    norm_of, update = optimizer.get_grad_norm, optimizer.step_with_ready_grads
+    finite = [True]
+
+    def get_grad_norm():
+        norm = norm_of()
+        finite[0] = math.isfinite(norm)
+        if not finite[0]:
+            logger.warning("gradient norm %s: the optimizer step is skipped", float(norm))
+        return norm
+
+    def step_with_ready_grads() -> bool:
+        return update() if finite[0] else False
+
+    optimizer.get_grad_norm, optimizer.step_with_ready_grads = get_grad_norm, step_with_ready_grads
 
 
 def _foreach(optimizer: torch.optim.Optimizer) -> None:
