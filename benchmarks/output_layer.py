@@ -5,12 +5,13 @@ it, and a full batch (16 episodes) no slower (>= 0.95x).
 
 The layer alone: F.linear and the copy, ms per call at 1-32 rows, one thread, the quickstart's
 34,048 x 128 shape, and whether the copy's logits are bit for bit F.linear's (the layer uses
-the copy below 4 rows only). The engine: two engines on copies of one seeded
-random `tiny-moe-agent` (tied embeddings), one with `fast_output_layer` and one without, serve
+the copy below 4 rows only). The engine: two engines on copies of one seeded random
+`tiny-moe-agent` (tied embeddings), one with `fast_output_layer` and one without, serve
 `benchmarks/prefix_cache.py`'s IterSynth stream (alternating Planner and Synthesizer prompts,
-80 greedy tokens a turn), interleaved, best of `--repeats`; the outputs are compared. 3
-episodes: an RL step's tail, where most of its decode steps run (the quickstart's RL stage, 3
-steps: 33 % of its 4,348 decode steps had 1-3 rows, 4 % had 16).
+80 greedy tokens a turn), interleaved with the order swapped each repeat, best of
+`--repeats`; the outputs are compared. 3 episodes: an RL step's tail, where most of its
+decode steps run (the quickstart's RL stage, 3 steps: 33 % of its 4,348 decode steps had 1-3
+rows, 4 % had 16).
 
     taskset -c 0 .venv/bin/python benchmarks/output_layer.py [--vocab 34048] [--repeats 3]
 """
@@ -80,7 +81,8 @@ def engine(vocab: int, repeats: int, new_tokens: int, n_episodes: int, seed: int
         for name, core in cores.items():  # warm
             serve(core, "itersynth", eps[:2], 2, f"warm-{name}")
         for r in range(repeats):
-            for name, core in cores.items():
+            # each repeat swaps who goes first: no engine always runs right after the other
+            for name, core in list(cores.items())[::1 if r % 2 == 0 else -1]:
                 core.call(core.flush_cache).result(timeout=60)
                 dt, outs[name], _ = serve(core, "itersynth", eps, new_tokens, f"{name}-{r}")
                 times[name].append(dt)

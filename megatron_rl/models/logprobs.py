@@ -211,7 +211,10 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         if where.numel() == 0:  # nothing trained here: zeros, still part of the graph
             zeros = hidden[..., 0].transpose(0, 1).float() * 0.0
             return zeros, zeros
-        flat_h, flat_y = flat_h.index_select(0, where), flat_y.index_select(0, where)
+        if where.numel() == flat_y.numel():  # every position: no copies in and out
+            where = None
+        else:
+            flat_h, flat_y = flat_h.index_select(0, where), flat_y.index_select(0, where)
     parts = [_LinearLogprobs.apply(h, weight, y, vocab_start, valid, temperature, group, tp,
                                    matmul_dtype)
              for h, y in zip(torch.split(flat_h, chunk_tokens),
