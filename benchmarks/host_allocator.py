@@ -67,7 +67,8 @@ def main() -> None:
            if k not in (*host_memory.GLIBC_VARIABLES, host_memory.TORCH_HUGE_PAGES)}
     med: dict[str, list[float]] = {name: [] for name in SETTINGS}
     for r in range(a.rounds):
-        for name in SETTINGS[r % 3:] + SETTINGS[:r % 3]:  # each round starts one later
+        turn = r % len(SETTINGS)  # each round starts one setting later
+        for name in SETTINGS[turn:] + SETTINGS[:turn]:
             out = subprocess.run([sys.executable, __file__, "--child", name,
                                   *(f"--{k}={getattr(a, k)}" for k in
                                     ("tokens", "vocab", "hidden", "repeats", "threads"))],
@@ -78,7 +79,7 @@ def main() -> None:
     for name, ts in med.items():
         print(f"{name:22s} " + " ".join(f"{t * 1e3:6.0f}" for t in ts) + " ms")
     # paired: each round's processes ran seconds apart, so a slow stretch of the host slows
-    # every setting of that round (a process's passes moved 640-850 ms between rounds)
+    # every setting of that round (a process's passes moved 640-950 ms between rounds)
     reused, tuned = (statistics.median(t / d for t, d in zip(med[s], med[SETTINGS[0]],
                                                              strict=True))
                      for s in SETTINGS[1:])

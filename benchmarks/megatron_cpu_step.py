@@ -90,11 +90,11 @@ def megatron(spec, tokens: torch.Tensor):
 
 
 def interleaved(steps: dict, warmup: int, n: int, seconds: float = 0.0
-                ) -> tuple[dict[str, float], int, dict[str, list[float]]]:
-    """(median seconds per step of each, rounds run, every round's seconds per step), the
-    steps alternating so that whatever else loads the machine meanwhile hits all alike: `n`
-    rounds, more until `seconds` have passed (a 40 ms step's median of 10 moved 0.97-1.02
-    between runs, of 60 1.004-1.012)."""
+                ) -> tuple[int, dict[str, list[float]]]:
+    """(rounds run, each step's seconds in every round), the steps alternating so that
+    whatever else loads the machine meanwhile hits all alike: `n` rounds, more until
+    `seconds` have passed (a 40 ms step's median of 10 moved 0.97-1.02 between runs, of 60
+    1.004-1.012)."""
     for name, step in steps.items():
         for _ in range(warmup):
             step()
@@ -111,7 +111,7 @@ def interleaved(steps: dict, warmup: int, n: int, seconds: float = 0.0
             t0 = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}, rounds, times
+    return rounds, times
 
 
 def parse_case(text: str) -> tuple[str, int, int, int]:
@@ -163,9 +163,10 @@ def main() -> None:
     for (text, spec, tokens), ((plain_step, n_plain), (bare_step, _)) in zip(cases, plain,
                                                                             strict=True):
         mcore_step, n_mcore = megatron(spec, tokens)
-        t, rounds, times = interleaved({"plain PyTorch": plain_step, "Megatron": mcore_step,
-                                        "plain, LM loss only": bare_step}, args.warmup,
-                                       args.steps, args.seconds)
+        rounds, times = interleaved({"plain PyTorch": plain_step, "Megatron": mcore_step,
+                                     "plain, LM loss only": bare_step}, args.warmup,
+                                    args.steps, args.seconds)
+        t = {name: statistics.median(ts) for name, ts in times.items()}
         n_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
         print(f"\n{text}: {n_mcore:,} params (plain PyTorch: {n_plain:,}); batch "
               f"{tokens.shape[0]}x{tokens.shape[1] - 1}, fp32, {args.threads} threads, median "

@@ -430,17 +430,18 @@ def _skip_non_finite(optimizer) -> None:
     that holds a share of the model, so all ranks skip together (verl skips such a step too).
     """
     norm_of, update = optimizer.get_grad_norm, optimizer.step_with_ready_grads
-    finite = [True]
+    finite = True
 
     def get_grad_norm():
+        nonlocal finite
         norm = norm_of()
-        finite[0] = math.isfinite(norm)
-        if not finite[0]:
+        finite = math.isfinite(norm)
+        if not finite:
             logger.warning("gradient norm %s: the optimizer step is skipped", float(norm))
         return norm
 
     def step_with_ready_grads() -> bool:
-        return update() if finite[0] else False
+        return update() if finite else False
 
     optimizer.get_grad_norm, optimizer.step_with_ready_grads = get_grad_norm, step_with_ready_grads
 
